@@ -1,0 +1,171 @@
+//! `gpumem replay` and `gpumem convert`.
+
+use clap::Args;
+use gpumem_core::policy::PolicyKind;
+use gpumem_core::replay::{replay_all, ReplayOptions};
+use gpumem_core::report::replay_table;
+use gpumem_core::trace;
+use gpumem_core::units::parse_size;
+use gpumem_core::Config;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// Trace file: PyTorch snapshot (.pickle / .pickle.gz), RMM CSV log, or gpumem .gmt.
+    trace: PathBuf,
+    /// Policy to replay (repeat for several; default: all of them).
+    #[arg(long = "policy", short = 'p', value_parser = parse_policy)]
+    policies: Vec<PolicyKind>,
+    /// One JSON object per policy on its own line, instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Extra configuration applied to every policy (GPUMEM_CONF syntax, e.g. "slack:0.02").
+    #[arg(long, default_value = "")]
+    conf: String,
+    /// Memory of the simulated device (default: an H200's 150,109,880,320 bytes).
+    #[arg(long, value_parser = parse_bytes)]
+    device_memory: Option<u64>,
+    /// Which device's events to replay, for multi-GPU snapshots.
+    #[arg(long, default_value_t = 0)]
+    device_index: u32,
+}
+
+#[derive(Args)]
+pub struct ConvertArgs {
+    /// Input trace.
+    input: PathBuf,
+    /// Output file (.gmt; .gmt.gz is gzipped).
+    output: PathBuf,
+    /// Which device's events to keep.
+    #[arg(long, default_value_t = 0)]
+    device_index: u32,
+}
+
+fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+    PolicyKind::parse(s).ok_or_else(|| {
+        format!(
+            "unknown policy '{s}' (one of: {})",
+            PolicyKind::ALL.map(|k| k.name()).join(", ")
+        )
+    })
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 80GiB)"))
+}
+
+fn load(path: &PathBuf, device: u32, quiet: bool) -> Result<trace::Trace, String> {
+    let size = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?
+        .len();
+    let bar = (!quiet && size > 4 << 20).then(|| {
+        let b = ProgressBar::new(size);
+        b.set_style(
+            ProgressStyle::with_template("reading {msg} {bar:30} {bytes}/{total_bytes} ({eta})")
+                .expect("template"),
+        );
+        b.set_message(path.display().to_string());
+        b
+    });
+    let progress: Option<trace::input::Progress> = bar.clone().map(|b| {
+        let f: trace::input::Progress = Arc::new(move |n| b.set_position(n));
+        f
+    });
+    let t = trace::load(path, device, progress).map_err(|e| e.to_string());
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    t
+}
+
+pub fn run(a: ReplayArgs) -> Result<(), String> {
+    let trace = load(&a.trace, a.device_index, a.json)?;
+    let policies = if a.policies.is_empty() {
+        PolicyKind::ALL.to_vec()
+    } else {
+        a.policies.clone()
+    };
+    let mut opts = ReplayOptions {
+        config: Config::parse(&a.conf).map_err(|e| e.to_string())?,
+        ..ReplayOptions::default()
+    };
+    if let Some(m) = a.device_memory {
+        opts.device_total = m;
+    }
+    let total = (trace.events.len() * policies.len()) as u64;
+    let done = AtomicU64::new(0);
+    let results = std::thread::scope(|s| {
+        let bar = (!a.json && trace.events.len() > 200_000).then(|| {
+            let b = ProgressBar::new(total);
+            b.set_style(
+                ProgressStyle::with_template("replaying {bar:30} {percent}% ({eta})")
+                    .expect("template"),
+            );
+            b
+        });
+        let watcher = bar.clone().map(|b| {
+            let done = &done;
+            s.spawn(move || {
+                while done.load(Ordering::Relaxed) < total {
+                    b.set_position(done.load(Ordering::Relaxed));
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                b.finish_and_clear();
+            })
+        });
+        let r = replay_all(&trace, &policies, &opts, Some(&done));
+        done.store(total, Ordering::Relaxed);
+        if let Some(w) = watcher {
+            let _ = w.join();
+        }
+        r
+    });
+    let mut ok = Vec::new();
+    for (p, r) in policies.iter().zip(results) {
+        match r {
+            Ok(r) => ok.push(r),
+            Err(e) => return Err(format!("replay under {} failed: {e}", p.name())),
+        }
+    }
+    if a.json {
+        for r in &ok {
+            println!("{}", serde_json::to_string(r).map_err(|e| e.to_string())?);
+        }
+    } else {
+        print!(
+            "{}",
+            replay_table::render(&a.trace.display().to_string(), trace.events.len(), &ok)
+        );
+    }
+    Ok(())
+}
+
+pub fn convert(a: ConvertArgs) -> Result<(), String> {
+    let t = load(&a.input, a.device_index, false)?;
+    let file = std::fs::File::create(&a.output)
+        .map_err(|e| format!("cannot create {}: {e}", a.output.display()))?;
+    let gz = a.output.extension().is_some_and(|e| e == "gz");
+    let mut w: Box<dyn std::io::Write> = if gz {
+        Box::new(flate2_writer(file))
+    } else {
+        Box::new(std::io::BufWriter::new(file))
+    };
+    trace::compact::write(&t, &mut w)
+        .map_err(|e| format!("cannot write {}: {e}", a.output.display()))?;
+    w.flush().map_err(|e| e.to_string())?;
+    drop(w);
+    eprintln!(
+        "{} events written to {}",
+        t.events.len(),
+        a.output.display()
+    );
+    Ok(())
+}
+
+fn flate2_writer(f: std::fs::File) -> impl std::io::Write {
+    gpumem_core::trace::gzip_writer(f)
+}

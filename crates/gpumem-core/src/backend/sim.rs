@@ -1,0 +1,508 @@
+//! A deterministic simulated device: addresses are numbers, nothing is read or written.
+//!
+//! It enforces the same rules as the CUDA driver (no double mapping, no release of a mapped
+//! handle, no free of an unknown pointer, capacity limits), so a policy bug that would fail on
+//! the GPU fails here too. Events complete either at once or when the owner of a
+//! [`SimControl`] says so, which is how `gpumem replay` reproduces a trace's stream order.
+
+use super::{Backend, DevPtr, DeviceInfo, DriverCall, EventHandle, PhysHandle, Stream};
+use crate::error::BackendError;
+use crate::units::{round_up, DEFAULT_PAGE, H200_TOTAL_BYTES};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// When simulated events complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventMode {
+    /// Every event has completed by the time anyone asks (the GPU is infinitely fast).
+    Immediate,
+    /// Events complete only through [`SimControl::complete`] (or a host synchronize).
+    Manual,
+}
+
+/// Parameters of a simulated device.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Device name reported.
+    pub name: String,
+    /// Total memory.
+    pub total_bytes: u64,
+    /// Memory used by others (other processes), unavailable to us.
+    pub foreign_bytes: u64,
+    /// Physical page size of the virtual-memory API.
+    pub page_bytes: u64,
+    /// Event completion.
+    pub event_mode: EventMode,
+    /// Addresses for plain segments, in order, with their sizes: when the next segment asked
+    /// for has the size of the first hint, it gets that address. A replay passes the
+    /// addresses the real driver returned, so that best fit breaks ties between equal blocks
+    /// (by address) as it did on the GPU.
+    pub segment_addresses: std::collections::VecDeque<(u64, DevPtr)>,
+}
+
+impl Default for SimConfig {
+    /// An H200: 150,109,880,320 bytes and 2 MiB pages, events completing at once.
+    fn default() -> Self {
+        Self {
+            name: "sim (H200-sized)".to_string(),
+            total_bytes: H200_TOTAL_BYTES,
+            foreign_bytes: 0,
+            page_bytes: DEFAULT_PAGE,
+            event_mode: EventMode::Immediate,
+            segment_addresses: Default::default(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct EventState {
+    done: FxHashMap<u64, bool>,
+    recorded: Vec<(EventHandle, Stream)>,
+    next: u64,
+}
+
+/// A handle to the simulated device's events, kept by whoever drives the simulation.
+#[derive(Clone)]
+pub struct SimControl {
+    events: Arc<Mutex<EventState>>,
+    mode: EventMode,
+}
+
+impl SimControl {
+    /// Marks an event as completed.
+    pub fn complete(&self, event: EventHandle) {
+        if let Some(d) = self.events.lock().done.get_mut(&event.0) {
+            *d = true;
+        }
+    }
+
+    /// Events recorded since the last call, with their streams, oldest first.
+    pub fn take_recorded(&self) -> Vec<(EventHandle, Stream)> {
+        std::mem::take(&mut self.events.lock().recorded)
+    }
+
+    /// Events recorded and not yet completed.
+    pub fn pending(&self) -> usize {
+        self.events.lock().done.values().filter(|d| !**d).count()
+    }
+
+    /// The event mode.
+    pub fn mode(&self) -> EventMode {
+        self.mode
+    }
+}
+
+/// The simulated device.
+pub struct SimBackend {
+    cfg: SimConfig,
+    held: u64,
+    next_va: u64,
+    segments: FxHashMap<DevPtr, u64>,
+    reservations: BTreeMap<DevPtr, u64>,
+    handles: FxHashMap<u64, (u64, u32)>,
+    next_handle: u64,
+    mappings: BTreeMap<DevPtr, (u64, PhysHandle)>,
+    events: Arc<Mutex<EventState>>,
+}
+
+impl SimBackend {
+    /// A simulated device and the control handle of its events.
+    pub fn new(cfg: SimConfig) -> (Self, SimControl) {
+        let events = Arc::new(Mutex::new(EventState::default()));
+        let ctl = SimControl {
+            events: events.clone(),
+            mode: cfg.event_mode,
+        };
+        (
+            Self {
+                cfg,
+                held: 0,
+                // Far from zero (a small pointer is never valid) and below the addresses the
+                // CUDA driver hands out on Linux (0x7f..), which hints may reuse.
+                next_va: 0x1000_0000_0000,
+                segments: FxHashMap::default(),
+                reservations: BTreeMap::new(),
+                handles: FxHashMap::default(),
+                next_handle: 1,
+                mappings: BTreeMap::new(),
+                events,
+            },
+            ctl,
+        )
+    }
+
+    /// Physical bytes currently held from the simulated device.
+    pub fn held_bytes(&self) -> u64 {
+        self.held
+    }
+
+    fn take_physical(&mut self, call: DriverCall, bytes: u64) -> Result<(), BackendError> {
+        let avail = self
+            .cfg
+            .total_bytes
+            .saturating_sub(self.cfg.foreign_bytes)
+            .saturating_sub(self.held);
+        if bytes > avail {
+            return Err(BackendError::oom(
+                call,
+                format!("simulated device has {avail} bytes free, {bytes} requested"),
+            ));
+        }
+        self.held += bytes;
+        Ok(())
+    }
+
+    fn fresh_va(&mut self, bytes: u64, align: u64) -> DevPtr {
+        let va = round_up(self.next_va, align);
+        self.next_va = va + round_up(bytes.max(1), align);
+        va
+    }
+
+    fn check_pages(&self, call: DriverCall, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        let p = self.cfg.page_bytes;
+        if bytes == 0 || bytes % p != 0 || va % p != 0 {
+            return Err(BackendError::new(
+                call,
+                format!("range {va:#x}+{bytes} is not aligned to the {p}-byte page"),
+            ));
+        }
+        let inside = self
+            .reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&start, &len)| va + bytes <= start + len);
+        if !inside {
+            return Err(BackendError::new(
+                call,
+                format!("range {va:#x}+{bytes} is not inside a reserved virtual range"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn overlapping(&self, va: DevPtr, bytes: u64) -> Vec<DevPtr> {
+        let mut out = Vec::new();
+        if let Some((&s, &(len, _))) = self.mappings.range(..va).next_back() {
+            if s + len > va {
+                out.push(s);
+            }
+        }
+        out.extend(self.mappings.range(va..va + bytes).map(|(&s, _)| s));
+        out
+    }
+}
+
+impl Backend for SimBackend {
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo {
+            name: self.cfg.name.clone(),
+            ordinal: 0,
+            total_bytes: self.cfg.total_bytes,
+            page_bytes: self.cfg.page_bytes,
+            supports_vmm: true,
+        }
+    }
+
+    fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
+        let used = self.held + self.cfg.foreign_bytes;
+        Ok((
+            self.cfg.total_bytes.saturating_sub(used),
+            self.cfg.total_bytes,
+        ))
+    }
+
+    fn mem_alloc(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
+        if bytes == 0 {
+            return Err(BackendError::new(DriverCall::MemAlloc, "size 0"));
+        }
+        self.take_physical(DriverCall::MemAlloc, bytes)?;
+        let hinted = match self.cfg.segment_addresses.front() {
+            Some(&(size, addr)) if size == bytes => {
+                self.cfg.segment_addresses.pop_front();
+                let clash = self
+                    .segments
+                    .keys()
+                    .any(|&p| p < addr + bytes && addr < p + self.segments[&p]);
+                (!clash && addr != 0).then_some(addr)
+            }
+            _ => None,
+        };
+        let ptr = hinted.unwrap_or_else(|| self.fresh_va(bytes, 512));
+        self.segments.insert(ptr, bytes);
+        Ok(ptr)
+    }
+
+    fn mem_free(&mut self, ptr: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        match self.segments.remove(&ptr) {
+            Some(b) if b == bytes => {
+                self.held -= b;
+                Ok(())
+            }
+            Some(b) => {
+                self.segments.insert(ptr, b);
+                Err(BackendError::new(
+                    DriverCall::MemFree,
+                    format!("segment {ptr:#x} has {b} bytes, not {bytes}"),
+                ))
+            }
+            None => Err(BackendError::new(
+                DriverCall::MemFree,
+                format!("{ptr:#x} is not a segment of this device"),
+            )),
+        }
+    }
+
+    fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
+        let p = self.cfg.page_bytes;
+        if bytes == 0 || bytes % p != 0 {
+            return Err(BackendError::new(
+                DriverCall::AddressReserve,
+                format!("size {bytes} is not a non-zero multiple of the page"),
+            ));
+        }
+        let va = self.fresh_va(bytes, p);
+        self.reservations.insert(va, bytes);
+        Ok(va)
+    }
+
+    fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        if self.reservations.get(&va) != Some(&bytes) {
+            return Err(BackendError::new(
+                DriverCall::AddressFree,
+                format!("{va:#x}+{bytes} is not a reserved range"),
+            ));
+        }
+        if !self.overlapping(va, bytes).is_empty() {
+            return Err(BackendError::new(
+                DriverCall::AddressFree,
+                format!("{va:#x}+{bytes} still has mappings"),
+            ));
+        }
+        self.reservations.remove(&va);
+        Ok(())
+    }
+
+    fn mem_create(&mut self, bytes: u64) -> Result<PhysHandle, BackendError> {
+        let p = self.cfg.page_bytes;
+        if bytes == 0 || bytes % p != 0 {
+            return Err(BackendError::new(
+                DriverCall::MemCreate,
+                format!("size {bytes} is not a non-zero multiple of the page"),
+            ));
+        }
+        self.take_physical(DriverCall::MemCreate, bytes)?;
+        let h = self.next_handle;
+        self.next_handle += 1;
+        self.handles.insert(h, (bytes, 0));
+        Ok(PhysHandle(h))
+    }
+
+    fn mem_release(&mut self, handle: PhysHandle) -> Result<(), BackendError> {
+        match self.handles.get(&handle.0) {
+            None => Err(BackendError::new(
+                DriverCall::MemRelease,
+                format!("unknown handle {}", handle.0),
+            )),
+            Some(&(_, maps)) if maps > 0 => Err(BackendError::new(
+                DriverCall::MemRelease,
+                format!("handle {} is still mapped {maps} time(s)", handle.0),
+            )),
+            Some(&(bytes, _)) => {
+                self.handles.remove(&handle.0);
+                self.held -= bytes;
+                Ok(())
+            }
+        }
+    }
+
+    fn mem_map(&mut self, va: DevPtr, bytes: u64, handle: PhysHandle) -> Result<(), BackendError> {
+        self.check_pages(DriverCall::MemMap, va, bytes)?;
+        let Some(entry) = self.handles.get(&handle.0).copied() else {
+            return Err(BackendError::new(
+                DriverCall::MemMap,
+                format!("unknown handle {}", handle.0),
+            ));
+        };
+        if entry.0 != bytes {
+            return Err(BackendError::new(
+                DriverCall::MemMap,
+                format!(
+                    "handle {} has {} bytes, mapping asks {bytes}",
+                    handle.0, entry.0
+                ),
+            ));
+        }
+        if let Some(s) = self.overlapping(va, bytes).first() {
+            return Err(BackendError::new(
+                DriverCall::MemMap,
+                format!("{va:#x}+{bytes} overlaps the existing mapping at {s:#x}"),
+            ));
+        }
+        self.mappings.insert(va, (bytes, handle));
+        self.handles.insert(handle.0, (entry.0, entry.1 + 1));
+        Ok(())
+    }
+
+    fn mem_unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.check_pages(DriverCall::MemUnmap, va, bytes)?;
+        let found = self.overlapping(va, bytes);
+        // Like cuMemUnmap, the range must consist of whole mappings.
+        let mut covered = 0;
+        for s in &found {
+            let (len, _) = self.mappings[s];
+            if *s < va || s + len > va + bytes {
+                return Err(BackendError::new(
+                    DriverCall::MemUnmap,
+                    format!("{va:#x}+{bytes} cuts the mapping at {s:#x}+{len}"),
+                ));
+            }
+            covered += len;
+        }
+        if covered != bytes {
+            return Err(BackendError::new(
+                DriverCall::MemUnmap,
+                format!("{va:#x}+{bytes} is not wholly mapped"),
+            ));
+        }
+        for s in found {
+            let (_, h) = self.mappings.remove(&s).expect("found above");
+            if let Some(e) = self.handles.get_mut(&h.0) {
+                e.1 -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.check_pages(DriverCall::SetAccess, va, bytes)?;
+        let covered: u64 = self
+            .overlapping(va, bytes)
+            .iter()
+            .map(|s| self.mappings[s].0)
+            .sum();
+        if covered < bytes {
+            return Err(BackendError::new(
+                DriverCall::SetAccess,
+                format!("{va:#x}+{bytes} is not wholly mapped"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
+        let mut ev = self.events.lock();
+        ev.next += 1;
+        let h = EventHandle(ev.next);
+        let done = self.cfg.event_mode == EventMode::Immediate;
+        ev.done.insert(h.0, done);
+        ev.recorded.push((h, stream));
+        Ok(h)
+    }
+
+    fn event_query(&mut self, event: EventHandle) -> Result<bool, BackendError> {
+        self.events
+            .lock()
+            .done
+            .get(&event.0)
+            .copied()
+            .ok_or_else(|| BackendError::new(DriverCall::EventQuery, "unknown event"))
+    }
+
+    fn event_synchronize(&mut self, event: EventHandle) -> Result<(), BackendError> {
+        // The host waits until the device has finished: the event is then complete.
+        match self.events.lock().done.get_mut(&event.0) {
+            Some(d) => {
+                *d = true;
+                Ok(())
+            }
+            None => Err(BackendError::new(
+                DriverCall::EventSynchronize,
+                "unknown event",
+            )),
+        }
+    }
+
+    fn event_destroy(&mut self, event: EventHandle) {
+        self.events.lock().done.remove(&event.0);
+    }
+
+    fn stream_wait_event(
+        &mut self,
+        _stream: Stream,
+        event: EventHandle,
+    ) -> Result<(), BackendError> {
+        if self.events.lock().done.contains_key(&event.0) {
+            Ok(())
+        } else {
+            Err(BackendError::new(
+                DriverCall::StreamWaitEvent,
+                "unknown event",
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::MIB;
+
+    fn sim() -> SimBackend {
+        SimBackend::new(SimConfig {
+            total_bytes: 64 * MIB,
+            ..SimConfig::default()
+        })
+        .0
+    }
+
+    #[test]
+    fn segments_count_against_capacity() {
+        let mut s = sim();
+        let a = s.mem_alloc(40 * MIB).unwrap();
+        let err = s.mem_alloc(40 * MIB).unwrap_err();
+        assert!(err.out_of_memory);
+        s.mem_free(a, 40 * MIB).unwrap();
+        assert_eq!(s.held_bytes(), 0);
+        assert!(s.mem_free(a, 40 * MIB).is_err(), "double free must fail");
+    }
+
+    #[test]
+    fn mapping_rules_are_enforced() {
+        let mut s = sim();
+        let va = s.address_reserve(8 * MIB).unwrap();
+        let h = s.mem_create(2 * MIB).unwrap();
+        s.mem_map(va, 2 * MIB, h).unwrap();
+        s.set_access(va, 2 * MIB).unwrap();
+        assert!(s.mem_map(va, 2 * MIB, h).is_err(), "double mapping");
+        assert!(
+            s.set_access(va, 4 * MIB).is_err(),
+            "access over an unmapped page"
+        );
+        assert!(s.mem_release(h).is_err(), "release while mapped");
+        // The same handle may be mapped at a second address (aliasing).
+        s.mem_map(va + 2 * MIB, 2 * MIB, h).unwrap();
+        s.mem_unmap(va, 4 * MIB).unwrap();
+        s.mem_release(h).unwrap();
+        assert_eq!(s.held_bytes(), 0);
+        assert!(
+            s.mem_unmap(va, 2 * MIB).is_err(),
+            "unmap of an unmapped range"
+        );
+        s.address_free(va, 8 * MIB).unwrap();
+    }
+
+    #[test]
+    fn manual_events_complete_when_told() {
+        let (mut s, ctl) = SimBackend::new(SimConfig {
+            event_mode: EventMode::Manual,
+            ..SimConfig::default()
+        });
+        let e = s.event_record(7).unwrap();
+        assert!(!s.event_query(e).unwrap());
+        assert_eq!(ctl.take_recorded(), vec![(e, 7)]);
+        ctl.complete(e);
+        assert!(s.event_query(e).unwrap());
+    }
+}

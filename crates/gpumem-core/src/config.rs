@@ -1,0 +1,226 @@
+//! Configuration from a string in the style of `PYTORCH_CUDA_ALLOC_CONF`:
+//! `GPUMEM_CONF="policy:stitched,prealloc:0.9,fraction:0.95"`.
+//!
+//! | key | value | meaning |
+//! |---|---|---|
+//! | `policy` | native, expandable, caching, buddy, stitched | placement policy (default stitched) |
+//! | `prealloc` | bytes (`80GiB`) or a fraction of the device (`0.9`) | memory taken at start |
+//! | `fraction` | 0 < f ≤ 1 | cap on memory held, as a share of the device |
+//! | `cap` | bytes | cap on memory held |
+//! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
+//! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
+//! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |
+//! | `leak_check` | 0/1 | track live allocations (for leak reports) |
+//! | `backtraces` | 0/1 | capture a backtrace at each allocation (with history or leak_check) |
+//! | `costs` | h200, zero | the driver-cost model used for estimates |
+
+use crate::backend::CostModel;
+use crate::error::AllocError;
+use crate::policy::{PolicyKind, PolicyOptions};
+use crate::units::parse_size;
+
+/// An amount of memory given either in bytes or as a share of the device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Amount {
+    /// Bytes.
+    Bytes(u64),
+    /// A fraction of the device's total memory (0..=1).
+    Fraction(f64),
+}
+
+impl Amount {
+    /// Bytes on a device of `total` bytes.
+    pub fn bytes(self, total: u64) -> u64 {
+        match self {
+            Amount::Bytes(b) => b,
+            Amount::Fraction(f) => (total as f64 * f) as u64,
+        }
+    }
+
+    fn parse(key: &str, v: &str) -> Result<Amount, AllocError> {
+        if let Ok(f) = v.parse::<f64>() {
+            if v.contains('.') || f <= 1.0 {
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(AllocError::Config(format!(
+                        "{key}:{v}: a fraction must be between 0 and 1"
+                    )));
+                }
+                return Ok(Amount::Fraction(f));
+            }
+        }
+        parse_size(v).map(Amount::Bytes).ok_or_else(|| {
+            AllocError::Config(format!(
+                "{key}:{v}: expected bytes (e.g. 80GiB) or a fraction (e.g. 0.9)"
+            ))
+        })
+    }
+}
+
+/// Everything that configures an allocator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Placement policy.
+    pub policy: PolicyKind,
+    /// Memory taken at start.
+    pub prealloc: Option<Amount>,
+    /// Cap on memory held.
+    pub cap: Option<Amount>,
+    /// Policy knobs.
+    pub options: PolicyOptions,
+    /// Ring-buffer size of the allocation history (0: off).
+    pub history: usize,
+    /// Track live allocations for leak reports.
+    pub leak_check: bool,
+    /// Capture backtraces for tracked allocations.
+    pub backtraces: bool,
+    /// Driver-cost model.
+    pub costs: CostModel,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::Stitched,
+            prealloc: None,
+            cap: None,
+            options: PolicyOptions::default(),
+            history: 0,
+            leak_check: false,
+            backtraces: false,
+            costs: CostModel::h200(),
+        }
+    }
+}
+
+fn flag(key: &str, v: &str) -> Result<bool, AllocError> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(AllocError::Config(format!(
+            "{key}:{v}: expected 0/1 or true/false"
+        ))),
+    }
+}
+
+impl Config {
+    /// Parses `key:value,key:value`. Unknown keys and bad values are errors that name them.
+    pub fn parse(text: &str) -> Result<Config, AllocError> {
+        let mut c = Config::default();
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = item
+                .split_once(':')
+                .ok_or_else(|| AllocError::Config(format!("'{item}': expected key:value")))?;
+            let (k, v) = (k.trim(), v.trim());
+            match k {
+                "policy" => {
+                    c.policy = PolicyKind::parse(v).ok_or_else(|| {
+                        AllocError::Config(format!(
+                        "policy:{v}: unknown policy (native, expandable, caching, buddy, stitched)"
+                    ))
+                    })?
+                }
+                "prealloc" => c.prealloc = Some(Amount::parse(k, v)?),
+                "fraction" => match Amount::parse(k, v)? {
+                    Amount::Fraction(f) if f > 0.0 => c.cap = Some(Amount::Fraction(f)),
+                    _ => {
+                        return Err(AllocError::Config(format!(
+                            "fraction:{v}: expected a fraction in (0, 1]"
+                        )))
+                    }
+                },
+                "cap" => c.cap = Some(Amount::parse(k, v)?),
+                "slack" => {
+                    c.options.slack = v
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|s| (0.0..=10.0).contains(s))
+                        .ok_or_else(|| {
+                            AllocError::Config(format!("slack:{v}: expected a number in [0, 10]"))
+                        })?
+                }
+                "va_factor" => {
+                    c.options.va_factor = v
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|f| (1..=64).contains(f))
+                        .ok_or_else(|| {
+                            AllocError::Config(format!("va_factor:{v}: expected 1..64"))
+                        })?
+                }
+                "history" => {
+                    c.history = v.parse().map_err(|_| {
+                        AllocError::Config(format!("history:{v}: expected a number of entries"))
+                    })?
+                }
+                "leak_check" => c.leak_check = flag(k, v)?,
+                "backtraces" => c.backtraces = flag(k, v)?,
+                "costs" => {
+                    c.costs = match v {
+                        "h200" => CostModel::h200(),
+                        "zero" => CostModel::zero(),
+                        _ => {
+                            return Err(AllocError::Config(format!(
+                                "costs:{v}: expected h200 or zero"
+                            )))
+                        }
+                    }
+                }
+                _ => {
+                    return Err(AllocError::Config(format!(
+                        "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
+                         va_factor, history, leak_check, backtraces, costs)"
+                    )))
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// The configuration in `GPUMEM_CONF`, or the default when it is unset.
+    pub fn from_env() -> Result<Config, AllocError> {
+        match std::env::var("GPUMEM_CONF") {
+            Ok(s) => Config::parse(&s),
+            Err(_) => Ok(Config::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::GIB;
+
+    #[test]
+    fn parses_all_keys() {
+        let c = Config::parse(
+            "policy:buddy, prealloc:0.9,cap:40GiB,slack:0.02,history:1000,leak_check:1,backtraces:true,costs:zero",
+        )
+        .unwrap();
+        assert_eq!(c.policy, PolicyKind::Buddy);
+        assert_eq!(c.prealloc, Some(Amount::Fraction(0.9)));
+        assert_eq!(c.cap, Some(Amount::Bytes(40 * GIB)));
+        assert_eq!(c.options.slack, 0.02);
+        assert_eq!(c.history, 1000);
+        assert!(c.leak_check && c.backtraces);
+        assert_eq!(Amount::Fraction(0.5).bytes(100), 50);
+        let f = Config::parse("fraction:0.5").unwrap();
+        assert_eq!(f.cap, Some(Amount::Fraction(0.5)));
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn errors_name_the_problem() {
+        for (bad, needle) in [
+            ("policy:magic", "unknown policy"),
+            ("prealloc:1.5", "between 0 and 1"),
+            ("prealloc:lots", "expected bytes"),
+            ("fraction:2GiB", "fraction"),
+            ("nonsense", "key:value"),
+            ("colour:blue", "unknown key 'colour'"),
+            ("slack:-1", "slack"),
+        ] {
+            let e = Config::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(needle), "{bad}: {e}");
+        }
+    }
+}

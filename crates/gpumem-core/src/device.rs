@@ -1,0 +1,467 @@
+//! One device as the policies see it: the backend behind a lock, with every call counted and
+//! costed, the bytes held from the device tracked exactly, the memory cap enforced, and the
+//! preallocated reserve served before the driver is asked.
+
+use crate::backend::{
+    Backend, CallCounts, CostModel, DevPtr, DeviceInfo, DriverCall, EventHandle, PhysHandle, Stream,
+};
+use crate::error::BackendError;
+use crate::stats::{Pool, StatArray};
+use parking_lot::{Mutex, MutexGuard};
+use std::collections::BTreeMap;
+
+/// Device-level statistics: physical allocations and their bytes.
+#[derive(Debug, Clone, Default)]
+pub struct HeldStats {
+    /// Physical allocations held (segments or pages).
+    pub segment: StatArray,
+    /// Bytes held.
+    pub reserved_bytes: StatArray,
+    /// Physical allocations made.
+    pub num_device_alloc: i64,
+    /// Physical allocations returned.
+    pub num_device_free: i64,
+}
+
+/// Memory taken from the device at start and handed out before the driver is asked again.
+#[derive(Default)]
+struct Reserve {
+    /// One big segment carved into smaller ones: free ranges by address.
+    segment: Option<(DevPtr, u64)>,
+    free_ranges: BTreeMap<DevPtr, u64>,
+    /// Pre-created physical pages.
+    pages: Vec<PhysHandle>,
+    /// Bytes of the reserve (counted as held from the start).
+    bytes: u64,
+}
+
+/// The backend and everything counted about it. Obtained from [`Device::lock`].
+pub struct DeviceState {
+    backend: Box<dyn Backend>,
+    info: DeviceInfo,
+    cost: CostModel,
+    calls: CallCounts,
+    held: u64,
+    peak_held: u64,
+    cap: Option<u64>,
+    stats: HeldStats,
+    reserve: Reserve,
+    segment_log: Option<Vec<u64>>,
+}
+
+/// A device shared by the allocator's stream shards.
+pub struct Device {
+    state: Mutex<DeviceState>,
+    info: DeviceInfo,
+}
+
+impl Device {
+    /// Wraps a backend; calls are charged with `cost`.
+    pub fn new(backend: Box<dyn Backend>, cost: CostModel) -> Self {
+        let info = backend.info();
+        Self {
+            state: Mutex::new(DeviceState {
+                backend,
+                info: info.clone(),
+                cost,
+                calls: CallCounts::default(),
+                held: 0,
+                peak_held: 0,
+                cap: None,
+                stats: HeldStats::default(),
+                reserve: Reserve::default(),
+                segment_log: None,
+            }),
+            info,
+        }
+    }
+
+    /// What the device is.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Locks the device for a sequence of calls.
+    pub fn lock(&self) -> MutexGuard<'_, DeviceState> {
+        self.state.lock()
+    }
+}
+
+impl DeviceState {
+    /// What the device is.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Physical page size.
+    pub fn page(&self) -> u64 {
+        self.info.page_bytes
+    }
+
+    /// Bytes held from the device now (segments, pages and the preallocated reserve).
+    pub fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// Highest `held` so far.
+    pub fn peak_held(&self) -> u64 {
+        self.peak_held
+    }
+
+    /// Sets the peak to the current value.
+    pub fn reset_peak(&mut self) {
+        self.peak_held = self.held;
+        for s in [&mut self.stats.segment, &mut self.stats.reserved_bytes] {
+            s.all.peak = s.all.current;
+            s.small_pool.peak = s.small_pool.current;
+            s.large_pool.peak = s.large_pool.current;
+        }
+    }
+
+    /// Driver calls made so far.
+    pub fn calls(&self) -> &CallCounts {
+        &self.calls
+    }
+
+    /// Device-level statistics.
+    pub fn held_stats(&self) -> &HeldStats {
+        &self.stats
+    }
+
+    /// The most bytes the allocator may hold, if limited.
+    pub fn cap(&self) -> Option<u64> {
+        self.cap
+    }
+
+    /// Limits the bytes held (`None`: no limit beyond the device).
+    pub fn set_cap(&mut self, cap: Option<u64>) {
+        self.cap = cap;
+    }
+
+    /// Starts (or stops) logging the size of every segment allocation, for fidelity checks.
+    pub fn log_segments(&mut self, on: bool) {
+        self.segment_log = on.then(Vec::new);
+    }
+
+    /// Sizes of the segments allocated since logging started.
+    pub fn segment_log(&self) -> &[u64] {
+        self.segment_log.as_deref().unwrap_or(&[])
+    }
+
+    fn count(&mut self, kind: DriverCall, bytes: u64) {
+        let pages = bytes.div_ceil(self.info.page_bytes.max(1));
+        self.calls.add(kind, pages, &self.cost);
+    }
+
+    fn check_cap(&self, call: DriverCall, bytes: u64) -> Result<(), BackendError> {
+        match self.cap {
+            Some(cap) if self.held + bytes > cap => Err(BackendError::oom(
+                call,
+                format!(
+                    "the memory cap of {cap} bytes would be exceeded ({} held, {bytes} more asked)",
+                    self.held
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn gain(&mut self, bytes: u64, pool: Pool) {
+        self.held += bytes;
+        self.peak_held = self.peak_held.max(self.held);
+        self.stats.segment.inc(pool, 1);
+        self.stats.reserved_bytes.inc(pool, bytes);
+        self.stats.num_device_alloc += 1;
+    }
+
+    fn lose(&mut self, bytes: u64, pool: Pool) {
+        self.held -= bytes;
+        self.stats.segment.dec(pool, 1);
+        self.stats.reserved_bytes.dec(pool, bytes);
+        self.stats.num_device_free += 1;
+    }
+
+    /// Takes `bytes` (a multiple of the page size, or for `plain` any size) at start and keeps
+    /// it for later requests: as one segment when `plain`, else as physical pages.
+    pub fn preallocate(&mut self, bytes: u64, plain: bool) -> Result<(), BackendError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        if plain {
+            self.count(DriverCall::MemAlloc, bytes);
+            let ptr = self.backend.mem_alloc(bytes)?;
+            self.reserve.segment = Some((ptr, bytes));
+            self.reserve.free_ranges.insert(ptr, bytes);
+        } else {
+            let page = self.page();
+            for _ in 0..bytes / page {
+                self.count(DriverCall::MemCreate, page);
+                let h = self.backend.mem_create(page)?;
+                self.reserve.pages.push(h);
+            }
+        }
+        let got = if plain {
+            bytes
+        } else {
+            bytes / self.page() * self.page()
+        };
+        self.reserve.bytes = got;
+        self.held += got;
+        self.peak_held = self.peak_held.max(self.held);
+        self.stats.reserved_bytes.inc(Pool::Large, got);
+        Ok(())
+    }
+
+    /// Allocates a plain segment of `bytes` for `pool`.
+    pub fn alloc_segment(&mut self, bytes: u64, pool: Pool) -> Result<DevPtr, BackendError> {
+        // First fit in the preallocated reserve (already counted as held).
+        let fit = self
+            .reserve
+            .free_ranges
+            .iter()
+            .find(|&(_, &len)| len >= bytes)
+            .map(|(&p, &len)| (p, len));
+        if let Some((p, len)) = fit {
+            self.reserve.free_ranges.remove(&p);
+            if len > bytes {
+                self.reserve.free_ranges.insert(p + bytes, len - bytes);
+            }
+            self.stats.segment.inc(pool, 1);
+            if let Some(log) = self.segment_log.as_mut() {
+                log.push(bytes);
+            }
+            return Ok(p);
+        }
+        self.check_cap(DriverCall::MemAlloc, bytes)?;
+        self.count(DriverCall::MemAlloc, bytes);
+        let ptr = self.backend.mem_alloc(bytes)?;
+        self.gain(bytes, pool);
+        if let Some(log) = self.segment_log.as_mut() {
+            log.push(bytes);
+        }
+        Ok(ptr)
+    }
+
+    /// Frees a plain segment.
+    pub fn free_segment(
+        &mut self,
+        ptr: DevPtr,
+        bytes: u64,
+        pool: Pool,
+    ) -> Result<(), BackendError> {
+        if let Some((base, len)) = self.reserve.segment {
+            if ptr >= base && ptr + bytes <= base + len {
+                self.return_range(ptr, bytes);
+                self.stats.segment.dec(pool, 1);
+                return Ok(());
+            }
+        }
+        self.count(DriverCall::MemFree, bytes);
+        self.backend.mem_free(ptr, bytes)?;
+        self.lose(bytes, pool);
+        Ok(())
+    }
+
+    fn return_range(&mut self, mut ptr: DevPtr, mut bytes: u64) {
+        let ranges = &mut self.reserve.free_ranges;
+        if let Some((&p, &len)) = ranges.range(..ptr).next_back() {
+            if p + len == ptr {
+                ranges.remove(&p);
+                ptr = p;
+                bytes += len;
+            }
+        }
+        if let Some(len) = ranges.remove(&(ptr + bytes)) {
+            bytes += len;
+        }
+        ranges.insert(ptr, bytes);
+    }
+
+    /// Reserves a virtual range.
+    pub fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
+        self.count(DriverCall::AddressReserve, 0);
+        self.backend.address_reserve(bytes)
+    }
+
+    /// Returns a virtual range.
+    pub fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.count(DriverCall::AddressFree, 0);
+        self.backend.address_free(va, bytes)
+    }
+
+    /// A physical page for `pool`: from the preallocated reserve if any is left, else created.
+    pub fn create_page(&mut self, pool: Pool) -> Result<PhysHandle, BackendError> {
+        let page = self.page();
+        if let Some(h) = self.reserve.pages.pop() {
+            // Already counted in `held`; from now on it is an ordinary page.
+            self.reserve.bytes -= page;
+            self.stats.reserved_bytes.dec(Pool::Large, page);
+            self.stats.reserved_bytes.inc(pool, page);
+            self.stats.segment.inc(pool, 1);
+            return Ok(h);
+        }
+        self.check_cap(DriverCall::MemCreate, page)?;
+        self.count(DriverCall::MemCreate, page);
+        let h = self.backend.mem_create(page)?;
+        self.gain(page, pool);
+        Ok(h)
+    }
+
+    /// Releases a physical page (which must be unmapped everywhere).
+    pub fn release_page(&mut self, h: PhysHandle, pool: Pool) -> Result<(), BackendError> {
+        let page = self.page();
+        self.count(DriverCall::MemRelease, page);
+        self.backend.mem_release(h)?;
+        self.lose(page, pool);
+        Ok(())
+    }
+
+    /// Creates a physical allocation of several pages at once (one handle).
+    pub fn create_chunk(&mut self, bytes: u64, pool: Pool) -> Result<PhysHandle, BackendError> {
+        self.check_cap(DriverCall::MemCreate, bytes)?;
+        self.count(DriverCall::MemCreate, bytes);
+        let h = self.backend.mem_create(bytes)?;
+        self.gain(bytes, pool);
+        Ok(h)
+    }
+
+    /// Releases a physical allocation of `bytes`.
+    pub fn release_chunk(
+        &mut self,
+        h: PhysHandle,
+        bytes: u64,
+        pool: Pool,
+    ) -> Result<(), BackendError> {
+        self.count(DriverCall::MemRelease, bytes);
+        self.backend.mem_release(h)?;
+        self.lose(bytes, pool);
+        Ok(())
+    }
+
+    /// Maps a physical allocation of `bytes` at `va`.
+    pub fn map(&mut self, va: DevPtr, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
+        self.count(DriverCall::MemMap, bytes);
+        self.backend.mem_map(va, bytes, h)
+    }
+
+    /// Unmaps `[va, va + bytes)`.
+    pub fn unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.count(DriverCall::MemUnmap, bytes);
+        self.backend.mem_unmap(va, bytes)
+    }
+
+    /// Grants access to a mapped range.
+    pub fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.count(DriverCall::SetAccess, bytes);
+        self.backend.set_access(va, bytes)
+    }
+
+    /// Records an event on `stream`.
+    pub fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
+        self.count(DriverCall::EventRecord, 0);
+        self.backend.event_record(stream)
+    }
+
+    /// Whether an event has completed.
+    pub fn event_query(&mut self, e: EventHandle) -> Result<bool, BackendError> {
+        self.count(DriverCall::EventQuery, 0);
+        self.backend.event_query(e)
+    }
+
+    /// Waits on the host for an event.
+    pub fn event_synchronize(&mut self, e: EventHandle) -> Result<(), BackendError> {
+        self.count(DriverCall::EventSynchronize, 0);
+        self.backend.event_synchronize(e)
+    }
+
+    /// Destroys an event (not a driver call worth counting: events are pooled).
+    pub fn event_destroy(&mut self, e: EventHandle) {
+        self.backend.event_destroy(e)
+    }
+
+    /// Makes `stream` wait for `e` on the device.
+    pub fn stream_wait_event(
+        &mut self,
+        stream: Stream,
+        e: EventHandle,
+    ) -> Result<(), BackendError> {
+        self.count(DriverCall::StreamWaitEvent, 0);
+        self.backend.stream_wait_event(stream, e)
+    }
+
+    /// (free, total) bytes of the device.
+    pub fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
+        self.count(DriverCall::MemGetInfo, 0);
+        self.backend.mem_get_info()
+    }
+
+    /// Bytes of the preallocated reserve not handed out yet.
+    pub fn reserve_unused(&self) -> u64 {
+        self.reserve.pages.len() as u64 * self.page()
+            + self.reserve.free_ranges.values().sum::<u64>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::{SimBackend, SimConfig};
+    use crate::units::MIB;
+
+    fn dev() -> Device {
+        let (b, _) = SimBackend::new(SimConfig {
+            total_bytes: 100 * MIB,
+            ..SimConfig::default()
+        });
+        Device::new(Box::new(b), CostModel::h200())
+    }
+
+    #[test]
+    fn held_bytes_and_calls_are_counted() {
+        let d = dev();
+        let mut s = d.lock();
+        let a = s.alloc_segment(20 * MIB, Pool::Large).unwrap();
+        let h = s.create_page(Pool::Small).unwrap();
+        assert_eq!(s.held(), 22 * MIB);
+        s.free_segment(a, 20 * MIB, Pool::Large).unwrap();
+        s.release_page(h, Pool::Small).unwrap();
+        assert_eq!(s.held(), 0);
+        assert_eq!(s.peak_held(), 22 * MIB);
+        assert_eq!(s.calls().count(DriverCall::MemAlloc), 1);
+        assert_eq!(s.calls().count(DriverCall::MemCreate), 1);
+        // 65 µs for the alloc/free pair, 7.5 µs for create+release of one page.
+        assert!((s.calls().est_seconds() - 72.5e-6).abs() < 1e-9);
+        assert_eq!(s.held_stats().num_device_alloc, 2);
+        assert_eq!(s.held_stats().segment.all.current, 0);
+    }
+
+    #[test]
+    fn cap_is_enforced() {
+        let d = dev();
+        let mut s = d.lock();
+        s.set_cap(Some(30 * MIB));
+        s.alloc_segment(20 * MIB, Pool::Large).unwrap();
+        let e = s.alloc_segment(20 * MIB, Pool::Large).unwrap_err();
+        assert!(e.out_of_memory);
+        assert!(e.message.contains("cap"));
+    }
+
+    #[test]
+    fn reserve_serves_segments_without_driver_calls() {
+        let d = dev();
+        let mut s = d.lock();
+        s.preallocate(64 * MIB, true).unwrap();
+        assert_eq!(s.held(), 64 * MIB);
+        let a = s.alloc_segment(20 * MIB, Pool::Large).unwrap();
+        let b = s.alloc_segment(20 * MIB, Pool::Large).unwrap();
+        assert_eq!(
+            s.calls().count(DriverCall::MemAlloc),
+            1,
+            "only the preallocation"
+        );
+        s.free_segment(a, 20 * MIB, Pool::Large).unwrap();
+        s.free_segment(b, 20 * MIB, Pool::Large).unwrap();
+        assert_eq!(s.reserve_unused(), 64 * MIB, "ranges coalesce back");
+        assert_eq!(s.held(), 64 * MIB);
+    }
+}

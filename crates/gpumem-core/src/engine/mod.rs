@@ -1,0 +1,496 @@
+//! The allocator of one device: the public operations (allocate, free, record-stream,
+//! empty-cache, stats), stream-ordered reuse through events, the out-of-memory retry, and the
+//! split of state into one shard per stream so that threads on different streams never share
+//! a lock on the hot path.
+
+pub mod streams;
+pub mod track;
+
+use crate::backend::{Backend, CallCounts, DevPtr, DeviceInfo, EventHandle, Stream};
+use crate::config::Config;
+use crate::device::Device;
+use crate::error::{AllocError, BackendError, OomReport};
+use crate::policy::{PolicyFactory, PolicyKind, SegmentInfo};
+use crate::stats::MemoryStats;
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+use streams::{StreamTable, MAX_STREAMS};
+use track::{Action, Tracker};
+
+/// A block handed out: its address, its size after rounding, and the shard that owns it (so
+/// that freeing it needs no search).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address.
+    pub ptr: DevPtr,
+    /// Bytes of the block (the request rounded up).
+    pub size: u64,
+    /// Stream it was allocated on.
+    pub stream: Stream,
+    shard: u32,
+}
+
+struct Pending {
+    addr: DevPtr,
+    events: Vec<EventHandle>,
+}
+
+struct ShardState {
+    policy: Box<dyn crate::policy::Policy>,
+    /// Other streams each live block was used on (only blocks with such uses appear).
+    uses: FxHashMap<DevPtr, Vec<Stream>>,
+    /// Freed blocks waiting for events.
+    pending: Vec<Pending>,
+    retries: i64,
+    ooms: i64,
+    syncs: i64,
+}
+
+struct Shard {
+    stream: Stream,
+    state: Mutex<ShardState>,
+}
+
+/// The allocator of one device. Thread-safe; share it behind an `Arc`.
+pub struct Allocator {
+    device: Arc<Device>,
+    factory: PolicyFactory,
+    shards: StreamTable<Shard>,
+    tracker: Option<Mutex<Tracker>>,
+    config: Config,
+}
+
+impl Allocator {
+    /// An allocator over `backend` configured by `config`; preallocates and sets the cap as
+    /// configured.
+    pub fn new(backend: Box<dyn Backend>, config: Config) -> Result<Self, AllocError> {
+        let device = Arc::new(Device::new(backend, config.costs.clone()));
+        let info = device.info().clone();
+        let factory = PolicyFactory::new(config.policy, &info, &config.options);
+        {
+            let mut d = device.lock();
+            if let Some(cap) = config.cap {
+                d.set_cap(Some(cap.bytes(info.total_bytes)));
+            }
+            if let Some(pre) = config.prealloc {
+                let mut bytes = pre.bytes(info.total_bytes);
+                if config.policy.uses_pages() {
+                    bytes = bytes / info.page_bytes * info.page_bytes;
+                }
+                if bytes > info.total_bytes {
+                    return Err(AllocError::Config(format!(
+                        "prealloc of {bytes} bytes is more than the device's {}",
+                        info.total_bytes
+                    )));
+                }
+                d.preallocate(bytes, !config.policy.uses_pages())?;
+            }
+        }
+        let tracker = (config.history > 0 || config.leak_check).then(|| {
+            Mutex::new(Tracker::new(
+                config.history,
+                config.leak_check,
+                config.backtraces,
+            ))
+        });
+        Ok(Self {
+            device,
+            factory,
+            shards: StreamTable::new(),
+            tracker,
+            config,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// What the device is.
+    pub fn device_info(&self) -> &DeviceInfo {
+        self.device.info()
+    }
+
+    /// The policy in use.
+    pub fn policy(&self) -> PolicyKind {
+        self.factory.kind()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn shard(&self, stream: Stream) -> Result<(u32, &Shard), AllocError> {
+        self.shards
+            .get_or_insert(stream, || Shard {
+                stream,
+                state: Mutex::new(ShardState {
+                    policy: self.factory.make(stream),
+                    uses: FxHashMap::default(),
+                    pending: Vec::new(),
+                    retries: 0,
+                    ooms: 0,
+                    syncs: 0,
+                }),
+            })
+            .map(|(i, s)| (i as u32, s))
+            .ok_or(AllocError::TooManyStreams { limit: MAX_STREAMS })
+    }
+
+    /// Allocates `size` bytes for use on `stream`.
+    pub fn allocate(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
+        let total = self.device.info().total_bytes;
+        if size == 0 {
+            return Err(AllocError::InvalidSize {
+                size,
+                reason: "zero-byte allocations have no address; skip the call".into(),
+            });
+        }
+        if size > total {
+            return Err(AllocError::InvalidSize {
+                size,
+                reason: format!(
+                    "larger than the whole device ({} bytes of {})",
+                    total,
+                    self.device.info().name
+                ),
+            });
+        }
+        let (idx, shard) = self.shard(stream)?;
+        let mut retries = 0;
+        loop {
+            let result = {
+                let mut st = shard.state.lock();
+                if !st.pending.is_empty() {
+                    self.process_events(&mut st, stream, false)?;
+                }
+                let r = st.policy.allocate(size, &self.device);
+                if retries > 0 {
+                    st.retries += 1;
+                }
+                r
+            };
+            match result {
+                Ok(p) => {
+                    if let Some(t) = &self.tracker {
+                        t.lock().record(Action::Alloc, p.addr, size, stream);
+                    }
+                    return Ok(Allocation {
+                        ptr: p.addr,
+                        size: p.size,
+                        stream,
+                        shard: idx,
+                    });
+                }
+                Err(e) if e.out_of_memory && retries == 0 => {
+                    retries += 1;
+                    self.release_all_cached()?;
+                }
+                Err(e) if e.out_of_memory => {
+                    let report = self.oom_report(size, stream, retries);
+                    shard.state.lock().ooms += 1;
+                    if let Some(t) = &self.tracker {
+                        t.lock().record(Action::Oom, 0, size, stream);
+                    }
+                    return Err(AllocError::OutOfMemory(Box::new(report)));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    fn oom_report(&self, size: u64, stream: Stream, retries: u64) -> OomReport {
+        let stats = self.memory_stats();
+        let largest = self
+            .shards
+            .iter()
+            .map(|(_, s)| s.state.lock().policy.largest_free())
+            .max()
+            .unwrap_or(0);
+        let mut d = self.device.lock();
+        let (free, total) = d
+            .mem_get_info()
+            .unwrap_or((0, self.device.info().total_bytes));
+        let held = d.held();
+        let allocated = stats.allocated_bytes.all.current.max(0) as u64;
+        OomReport {
+            requested: size,
+            stream,
+            policy: self.policy().name().to_string(),
+            device_total: total,
+            device_free: free,
+            cap: d.cap(),
+            held,
+            allocated,
+            cached: held.saturating_sub(allocated),
+            largest_free_block: largest,
+            retries,
+        }
+    }
+
+    /// Checks the events of freed blocks; releases those whose events completed (all of them
+    /// when `wait`, waiting on the host).
+    fn process_events(
+        &self,
+        st: &mut ShardState,
+        stream: Stream,
+        wait: bool,
+    ) -> Result<(), BackendError> {
+        let dev = &*self.device;
+        let mut i = 0;
+        while i < st.pending.len() {
+            let done = {
+                let mut d = dev.lock();
+                let mut all = true;
+                for &e in &st.pending[i].events {
+                    if wait {
+                        d.event_synchronize(e)?;
+                    } else if !d.event_query(e)? {
+                        all = false;
+                        break;
+                    }
+                }
+                if all {
+                    for &e in &st.pending[i].events {
+                        d.event_destroy(e);
+                    }
+                }
+                all
+            };
+            if done {
+                let p = st.pending.swap_remove(i);
+                st.policy.release(p.addr, dev)?;
+                if let Some(t) = &self.tracker {
+                    t.lock().record(Action::FreeCompleted, p.addr, 0, stream);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        if wait {
+            st.syncs += 1;
+        }
+        Ok(())
+    }
+
+    fn find_owner(&self, ptr: DevPtr, hint: Option<Stream>) -> Result<(u32, &Shard), AllocError> {
+        if let Some(s) = hint {
+            if let Some((i, sh)) = self.shards.get(s) {
+                if sh.state.lock().policy.is_allocated(ptr) {
+                    return Ok((i as u32, sh));
+                }
+            }
+        }
+        for (i, sh) in self.shards.iter() {
+            if sh.state.lock().policy.is_allocated(ptr) {
+                return Ok((i as u32, sh));
+            }
+        }
+        let double = self
+            .shards
+            .iter()
+            .any(|(_, sh)| sh.state.lock().policy.is_free_block(ptr));
+        Err(if double {
+            AllocError::DoubleFree { ptr }
+        } else {
+            AllocError::UnknownPointer { ptr }
+        })
+    }
+
+    /// Frees the block at `ptr` (searching every stream's pool for it).
+    pub fn free(&self, ptr: DevPtr) -> Result<(), AllocError> {
+        let (_, shard) = self.find_owner(ptr, None)?;
+        self.free_in(shard, ptr)
+    }
+
+    /// Frees the block at `ptr`, which was allocated on `stream` (PyTorch's free hook passes
+    /// it); falls back to a search if it was not.
+    pub fn free_on(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
+        let (_, shard) = self.find_owner(ptr, Some(stream))?;
+        self.free_in(shard, ptr)
+    }
+
+    /// Frees an allocation returned by [`Allocator::allocate`].
+    pub fn free_allocation(&self, a: &Allocation) -> Result<(), AllocError> {
+        match self.shards.slot(a.shard as usize) {
+            Some(sh) if sh.stream == a.stream => self.free_in(sh, a.ptr),
+            _ => Err(AllocError::UnknownPointer { ptr: a.ptr }),
+        }
+    }
+
+    fn free_in(&self, shard: &Shard, ptr: DevPtr) -> Result<(), AllocError> {
+        let mut st = shard.state.lock();
+        if st.policy.free_requested(ptr).is_none() {
+            drop(st);
+            return Err(if self.is_free_anywhere(ptr) {
+                AllocError::DoubleFree { ptr }
+            } else {
+                AllocError::UnknownPointer { ptr }
+            });
+        }
+        if let Some(t) = &self.tracker {
+            t.lock().record(Action::FreeRequested, ptr, 0, shard.stream);
+        }
+        match st.uses.remove(&ptr) {
+            None => {
+                st.policy.release(ptr, &self.device)?;
+                if let Some(t) = &self.tracker {
+                    t.lock().record(Action::FreeCompleted, ptr, 0, shard.stream);
+                }
+            }
+            Some(streams) => {
+                let mut events = Vec::with_capacity(streams.len());
+                let mut d = self.device.lock();
+                for s in streams {
+                    events.push(d.event_record(s)?);
+                }
+                drop(d);
+                st.pending.push(Pending { addr: ptr, events });
+            }
+        }
+        Ok(())
+    }
+
+    fn is_free_anywhere(&self, ptr: DevPtr) -> bool {
+        self.shards
+            .iter()
+            .any(|(_, sh)| sh.state.lock().policy.is_free_block(ptr))
+    }
+
+    /// Marks the block at `ptr` as used on `stream` too: when freed, it is reused only after
+    /// the work queued on `stream` by then has completed.
+    pub fn record_stream(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
+        let (_, shard) = self.find_owner(ptr, None)?;
+        if shard.stream == stream {
+            return Ok(());
+        }
+        let mut st = shard.state.lock();
+        let uses = st.uses.entry(ptr).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Waits for every outstanding event and releases those blocks.
+    pub fn synchronize_events(&self) -> Result<(), AllocError> {
+        for (_, sh) in self.shards.iter() {
+            let mut st = sh.state.lock();
+            if !st.pending.is_empty() {
+                self.process_events(&mut st, sh.stream, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn release_all_cached(&self) -> Result<u64, AllocError> {
+        self.synchronize_events()?;
+        let mut freed = 0;
+        for (_, sh) in self.shards.iter() {
+            freed += sh.state.lock().policy.release_cached(&self.device)?;
+        }
+        Ok(freed)
+    }
+
+    /// Returns every cached byte that no live block uses to the device
+    /// (`torch.cuda.empty_cache`). Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<u64, AllocError> {
+        self.release_all_cached()
+    }
+
+    /// Statistics under PyTorch's names. Block statistics are summed over streams (peaks too:
+    /// with several streams allocating, the peak shown is an upper bound); physical memory
+    /// statistics are exact.
+    pub fn memory_stats(&self) -> MemoryStats {
+        let mut m = MemoryStats::default();
+        for (_, sh) in self.shards.iter() {
+            let st = sh.state.lock();
+            m.merge_blocks(st.policy.stats());
+            m.num_alloc_retries += st.retries;
+            m.num_ooms += st.ooms;
+            m.num_sync_all_streams += st.syncs;
+        }
+        let d = self.device.lock();
+        let h = d.held_stats();
+        m.segment = h.segment;
+        m.reserved_bytes = h.reserved_bytes;
+        m.num_device_alloc = h.num_device_alloc;
+        m.num_device_free = h.num_device_free;
+        m
+    }
+
+    /// Sets every peak statistic to its current value.
+    pub fn reset_peak_stats(&self) {
+        for (_, sh) in self.shards.iter() {
+            sh.state.lock().policy.reset_peaks();
+        }
+        self.device.lock().reset_peak();
+    }
+
+    /// Caps the memory held at `fraction` of the device
+    /// (`torch.cuda.set_per_process_memory_fraction`).
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), AllocError> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(AllocError::Config(format!(
+                "memory fraction {fraction} is not in (0, 1]"
+            )));
+        }
+        let total = self.device.info().total_bytes;
+        self.device
+            .lock()
+            .set_cap(Some((total as f64 * fraction) as u64));
+        Ok(())
+    }
+
+    /// Caps the memory held at `bytes` (`None`: no cap).
+    pub fn set_cap(&self, bytes: Option<u64>) {
+        self.device.lock().set_cap(bytes);
+    }
+
+    /// Driver calls made so far.
+    pub fn driver_calls(&self) -> CallCounts {
+        self.device.lock().calls().clone()
+    }
+
+    /// Bytes held from the device now.
+    pub fn held_bytes(&self) -> u64 {
+        self.device.lock().held()
+    }
+
+    /// Most bytes held from the device so far.
+    pub fn peak_held_bytes(&self) -> u64 {
+        self.device.lock().peak_held()
+    }
+
+    /// Segments and blocks of every stream, by address.
+    pub fn snapshot(&self) -> Vec<SegmentInfo> {
+        let mut v: Vec<SegmentInfo> = self
+            .shards
+            .iter()
+            .flat_map(|(_, sh)| sh.state.lock().policy.segments())
+            .collect();
+        v.sort_by_key(|s| s.addr);
+        v
+    }
+
+    /// Streams seen so far.
+    pub fn streams(&self) -> Vec<Stream> {
+        self.shards.iter().map(|(_, s)| s.stream).collect()
+    }
+
+    /// Runs `f` on the tracker, if history or leak tracking is on.
+    pub fn with_tracker<R>(&self, f: impl FnOnce(&Tracker) -> R) -> Option<R> {
+        self.tracker.as_ref().map(|t| f(&t.lock()))
+    }
+
+    /// Checks every policy's invariants (tests and fuzzing).
+    pub fn check(&self) -> Result<(), String> {
+        for (_, sh) in self.shards.iter() {
+            sh.state.lock().policy.check()?;
+        }
+        Ok(())
+    }
+}

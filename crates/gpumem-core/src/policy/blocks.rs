@@ -1,0 +1,576 @@
+//! Blocks inside address ranges: best-fit search, splitting, coalescing of free neighbours,
+//! and PyTorch's block statistics. The segment-based policies (PyTorch native and expandable
+//! simulations, gpumem's caching policy) and the stitched policy's virtual heap all place
+//! blocks with this one mechanism; they differ only in where ranges come from and in their
+//! rounding and split rules.
+
+use super::{BlockInfo, BlockKind, SegmentInfo};
+use crate::stats::{MemoryStats, Pool};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
+
+/// "No block".
+pub const NIL: u32 = u32::MAX;
+
+/// Where a block is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// In the free index, reusable.
+    Free,
+    /// Handed out.
+    Allocated,
+    /// Freed by the user, waiting for other streams' events.
+    Pending,
+    /// Address space with no physical memory behind it (expandable segments).
+    Unmapped,
+}
+
+/// A block: a range of one segment.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// Start address.
+    pub addr: u64,
+    /// Size in bytes (a multiple of 512).
+    pub size: u64,
+    /// Bytes the user asked for (0 when free).
+    pub requested: u64,
+    /// Previous block of the same segment, or NIL.
+    pub prev: u32,
+    /// Next block of the same segment, or NIL.
+    pub next: u32,
+    /// Index of the segment.
+    pub seg: u32,
+    /// Pool the block counts in.
+    pub pool: Pool,
+    /// Life state.
+    pub state: State,
+}
+
+impl Block {
+    /// Whether the block is part of a split segment.
+    #[inline]
+    pub fn is_split(&self) -> bool {
+        self.prev != NIL || self.next != NIL
+    }
+}
+
+/// A contiguous address range blocks are carved from.
+#[derive(Debug, Clone)]
+pub struct Segment {
+    /// Start address.
+    pub addr: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Pool (selects the free index its blocks go to).
+    pub pool: Pool,
+    /// First block.
+    pub head: u32,
+    /// Whether the slot holds a segment.
+    pub live: bool,
+}
+
+/// Blocks and segments of one stream's pool, with the free index.
+pub struct BlockSet {
+    blocks: Vec<Block>,
+    spare: Vec<u32>,
+    free: [BTreeMap<(u64, u64), u32>; 2],
+    unmapped: [BTreeMap<u64, u32>; 2],
+    live: FxHashMap<u64, u32>,
+    segments: Vec<Segment>,
+    spare_segments: Vec<u32>,
+    /// Block statistics (allocation, active, inactive_split, *_bytes, requested_bytes).
+    pub stats: MemoryStats,
+    track_split: bool,
+}
+
+#[inline]
+fn heap(pool: Pool) -> usize {
+    match pool {
+        Pool::Small => 0,
+        Pool::Large => 1,
+    }
+}
+
+impl BlockSet {
+    /// An empty set. `track_split` enables the inactive_split statistics (PyTorch keeps them
+    /// for plain segments, not for virtual-memory ones).
+    pub fn new(track_split: bool) -> Self {
+        Self {
+            blocks: Vec::new(),
+            spare: Vec::new(),
+            free: [BTreeMap::new(), BTreeMap::new()],
+            unmapped: [BTreeMap::new(), BTreeMap::new()],
+            live: FxHashMap::default(),
+            segments: Vec::new(),
+            spare_segments: Vec::new(),
+            stats: MemoryStats::default(),
+            track_split,
+        }
+    }
+
+    /// A block by id.
+    #[inline]
+    pub fn block(&self, id: u32) -> &Block {
+        &self.blocks[id as usize]
+    }
+
+    #[inline]
+    fn b(&mut self, id: u32) -> &mut Block {
+        &mut self.blocks[id as usize]
+    }
+
+    /// A segment by index.
+    pub fn segment(&self, seg: u32) -> &Segment {
+        &self.segments[seg as usize]
+    }
+
+    fn new_block(&mut self, b: Block) -> u32 {
+        if let Some(id) = self.spare.pop() {
+            self.blocks[id as usize] = b;
+            id
+        } else {
+            self.blocks.push(b);
+            (self.blocks.len() - 1) as u32
+        }
+    }
+
+    fn drop_block(&mut self, id: u32) {
+        self.spare.push(id);
+    }
+
+    /// Puts a block in the index its state calls for.
+    fn index(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        let h = heap(self.segments[b.seg as usize].pool);
+        match b.state {
+            State::Free => {
+                self.free[h].insert((b.size, b.addr), id);
+            }
+            State::Unmapped => {
+                self.unmapped[h].insert(b.addr, id);
+            }
+            State::Allocated | State::Pending => {
+                self.live.insert(b.addr, id);
+            }
+        }
+    }
+
+    /// Takes a block out of its index.
+    fn unindex(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        let h = heap(self.segments[b.seg as usize].pool);
+        match b.state {
+            State::Free => {
+                self.free[h].remove(&(b.size, b.addr));
+            }
+            State::Unmapped => {
+                self.unmapped[h].remove(&b.addr);
+            }
+            State::Allocated | State::Pending => {
+                self.live.remove(&b.addr);
+            }
+        }
+    }
+
+    /// Adds a segment made of one block in `state` (Free or Unmapped); returns the block.
+    pub fn add_segment(&mut self, addr: u64, size: u64, pool: Pool, state: State) -> u32 {
+        let seg = match self.spare_segments.pop() {
+            Some(s) => s,
+            None => {
+                self.segments.push(Segment {
+                    addr: 0,
+                    size: 0,
+                    pool,
+                    head: NIL,
+                    live: false,
+                });
+                (self.segments.len() - 1) as u32
+            }
+        };
+        let id = self.new_block(Block {
+            addr,
+            size,
+            requested: 0,
+            prev: NIL,
+            next: NIL,
+            seg,
+            pool,
+            state,
+        });
+        self.segments[seg as usize] = Segment {
+            addr,
+            size,
+            pool,
+            head: id,
+            live: true,
+        };
+        self.index(id);
+        id
+    }
+
+    /// Removes a segment whose only block is `id` (free or unmapped); returns (addr, size, pool).
+    pub fn remove_segment(&mut self, id: u32) -> (u64, u64, Pool) {
+        let b = self.blocks[id as usize].clone();
+        debug_assert!(!b.is_split() && matches!(b.state, State::Free | State::Unmapped));
+        self.unindex(id);
+        self.drop_block(id);
+        let s = &mut self.segments[b.seg as usize];
+        s.live = false;
+        let out = (s.addr, s.size, s.pool);
+        self.spare_segments.push(b.seg);
+        out
+    }
+
+    /// The smallest free block of `pool` with at least `size` bytes (lowest address on ties).
+    #[inline]
+    pub fn best_fit(&self, pool: Pool, size: u64) -> Option<u32> {
+        self.free[heap(pool)]
+            .range((size, 0)..)
+            .next()
+            .map(|(_, &id)| id)
+    }
+
+    /// Free blocks of `pool` with at least `size` bytes, smallest first.
+    pub fn fits(&self, pool: Pool, size: u64) -> impl Iterator<Item = u32> + '_ {
+        self.free[heap(pool)].range((size, 0)..).map(|(_, &id)| id)
+    }
+
+    /// Unmapped blocks of `pool`, by address.
+    pub fn unmapped(&self, pool: Pool) -> impl Iterator<Item = u32> + '_ {
+        self.unmapped[heap(pool)].values().copied()
+    }
+
+    /// Free blocks of `pool`, smallest first.
+    pub fn free_blocks(&self, pool: Pool) -> impl Iterator<Item = u32> + '_ {
+        self.free[heap(pool)].values().copied()
+    }
+
+    /// Size of the largest free block of either pool.
+    pub fn largest_free(&self) -> u64 {
+        self.free
+            .iter()
+            .filter_map(|f| f.keys().next_back().map(|k| k.0))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes in free (mapped) blocks.
+    pub fn free_bytes(&self) -> u64 {
+        self.free.iter().flat_map(|f| f.keys()).map(|k| k.0).sum()
+    }
+
+    /// The live (allocated or pending) block at `addr`.
+    #[inline]
+    pub fn live_at(&self, addr: u64) -> Option<u32> {
+        self.live.get(&addr).copied()
+    }
+
+    /// Number of live blocks.
+    pub fn live_count(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Whether `addr` is the start of a free block (a double free points there).
+    pub fn is_free_start(&self, addr: u64) -> bool {
+        self.free
+            .iter()
+            .any(|f| f.range((0, addr)..).any(|((_, a), _)| *a == addr))
+    }
+
+    /// Hands out `size` bytes from free block `id` (PyTorch's `alloc_found_block`): with
+    /// `split`, the remainder stays free as a new block after the allocated one. Returns the
+    /// allocated block (same id, same address).
+    pub fn allocate(&mut self, id: u32, size: u64, requested: u64, pool: Pool, split: bool) -> u32 {
+        debug_assert_eq!(self.block(id).state, State::Free);
+        self.unindex(id);
+        let already_split = self.block(id).is_split();
+        let track = self.track_split;
+        let seg_pool = self.segments[self.block(id).seg as usize].pool;
+        if split && self.block(id).size > size {
+            let b = self.block(id).clone();
+            let rest = self.new_block(Block {
+                addr: b.addr + size,
+                size: b.size - size,
+                requested: 0,
+                prev: id,
+                next: b.next,
+                seg: b.seg,
+                pool: seg_pool,
+                state: State::Free,
+            });
+            if b.next != NIL {
+                self.b(b.next).prev = rest;
+            }
+            let bm = self.b(id);
+            bm.next = rest;
+            bm.size = size;
+            self.index(rest);
+            let rest_size = self.block(rest).size;
+            if track {
+                if already_split {
+                    // An inactive split block shrinks by the bytes handed out.
+                    self.stats.inactive_split_bytes.dec(seg_pool, size);
+                } else {
+                    self.stats.inactive_split_bytes.inc(seg_pool, rest_size);
+                    self.stats.inactive_split.inc(seg_pool, 1);
+                }
+            }
+        } else if already_split && track {
+            let s = self.block(id).size;
+            self.stats.inactive_split_bytes.dec(seg_pool, s);
+            self.stats.inactive_split.dec(seg_pool, 1);
+        }
+        let b = self.b(id);
+        b.state = State::Allocated;
+        b.requested = requested;
+        b.pool = pool;
+        let size = b.size;
+        self.index(id);
+        let st = &mut self.stats;
+        st.allocation.inc(pool, 1);
+        st.allocated_bytes.inc(pool, size);
+        st.active.inc(pool, 1);
+        st.active_bytes.inc(pool, size);
+        st.requested_bytes.inc(pool, requested);
+        id
+    }
+
+    /// The user freed block `id`: it stops counting as allocated but stays active until
+    /// [`BlockSet::release`].
+    pub fn free_requested(&mut self, id: u32) {
+        let b = self.b(id);
+        debug_assert_eq!(b.state, State::Allocated);
+        b.state = State::Pending;
+        let (pool, size) = (b.pool, b.size);
+        self.stats.allocation.dec(pool, 1);
+        self.stats.allocated_bytes.dec(pool, size);
+    }
+
+    /// A pending block becomes reusable (PyTorch's `free_block`): it merges with free
+    /// neighbours and goes back to the free index. Returns the resulting free block.
+    pub fn release(&mut self, id: u32) -> u32 {
+        debug_assert_eq!(self.block(id).state, State::Pending);
+        self.unindex(id);
+        let (pool, orig_size, requested) = {
+            let b = self.block(id);
+            (b.pool, b.size, b.requested)
+        };
+        let seg_pool = self.segments[self.block(id).seg as usize].pool;
+        let mut net_blocks: i64 = 0;
+        let mut net_bytes: i64 = 0;
+        {
+            let b = self.b(id);
+            b.state = State::Free;
+            b.requested = 0;
+            b.pool = seg_pool;
+        }
+        for cand in [self.block(id).prev, self.block(id).next] {
+            let sub = self.merge(id, cand);
+            if sub > 0 {
+                net_blocks -= 1;
+                net_bytes -= sub as i64;
+            }
+        }
+        self.index(id);
+        if self.block(id).is_split() {
+            net_blocks += 1;
+            net_bytes += self.block(id).size as i64;
+        }
+        let st = &mut self.stats;
+        if self.track_split {
+            st.inactive_split.change(seg_pool, net_blocks);
+            st.inactive_split_bytes.change(seg_pool, net_bytes);
+        }
+        st.active.dec(pool, 1);
+        st.active_bytes.dec(pool, orig_size);
+        st.requested_bytes.dec(pool, requested);
+        id
+    }
+
+    /// Merges neighbour `src` into `dst` when both have the same free-or-unmapped state.
+    /// Returns the bytes subsumed (0 if no merge). `dst` must be out of the indexes.
+    pub fn merge(&mut self, dst: u32, src: u32) -> u64 {
+        if src == NIL {
+            return 0;
+        }
+        let s = self.block(src).clone();
+        if s.state != self.block(dst).state || !matches!(s.state, State::Free | State::Unmapped) {
+            return 0;
+        }
+        self.unindex(src);
+        if self.block(dst).prev == src {
+            let d = self.b(dst);
+            d.addr = s.addr;
+            d.prev = s.prev;
+            if s.prev != NIL {
+                self.b(s.prev).next = dst;
+            } else {
+                self.segments[s.seg as usize].head = dst;
+            }
+        } else {
+            self.b(dst).next = s.next;
+            if s.next != NIL {
+                self.b(s.next).prev = dst;
+            }
+        }
+        self.b(dst).size += s.size;
+        self.drop_block(src);
+        s.size
+    }
+
+    /// Splits `id` (free or unmapped, out of the indexes) at `at` bytes from its start; the
+    /// tail becomes a new block in the same state, which is indexed. Returns the tail.
+    pub fn split_off(&mut self, id: u32, at: u64) -> u32 {
+        let b = self.block(id).clone();
+        debug_assert!(at > 0 && at < b.size);
+        let tail = self.new_block(Block {
+            addr: b.addr + at,
+            size: b.size - at,
+            requested: 0,
+            prev: id,
+            next: b.next,
+            seg: b.seg,
+            pool: b.pool,
+            state: b.state,
+        });
+        if b.next != NIL {
+            self.b(b.next).prev = tail;
+        }
+        let bm = self.b(id);
+        bm.next = tail;
+        bm.size = at;
+        self.index(tail);
+        tail
+    }
+
+    /// Takes a block out of the indexes (to reshape it) and returns its state.
+    pub fn detach(&mut self, id: u32) -> State {
+        self.unindex(id);
+        self.block(id).state
+    }
+
+    /// Puts a detached block back as it is.
+    pub fn attach(&mut self, id: u32) {
+        self.index(id);
+    }
+
+    /// Changes the state of a detached block.
+    pub fn set_detached_state(&mut self, id: u32, state: State) {
+        self.b(id).state = state;
+    }
+
+    /// Merges a detached block with its neighbours of the same free-or-unmapped state, then
+    /// indexes it. Returns the merged block (same id).
+    pub fn attach_coalesced(&mut self, id: u32) -> u32 {
+        for cand in [self.block(id).prev, self.block(id).next] {
+            self.merge(id, cand);
+        }
+        self.index(id);
+        id
+    }
+
+    /// Describes every segment and its blocks, by address.
+    pub fn segments_info(&self, stream: u64) -> Vec<SegmentInfo> {
+        let mut out: Vec<SegmentInfo> = self
+            .segments
+            .iter()
+            .filter(|s| s.live)
+            .map(|s| {
+                let mut blocks = Vec::new();
+                let mut id = s.head;
+                while id != NIL {
+                    let b = self.block(id);
+                    blocks.push(BlockInfo {
+                        addr: b.addr,
+                        size: b.size,
+                        requested: b.requested,
+                        kind: match b.state {
+                            State::Free => BlockKind::Free,
+                            State::Allocated => BlockKind::Allocated,
+                            State::Pending => BlockKind::Pending,
+                            State::Unmapped => BlockKind::Unmapped,
+                        },
+                    });
+                    id = b.next;
+                }
+                SegmentInfo {
+                    addr: s.addr,
+                    size: s.size,
+                    stream,
+                    pool: s.pool,
+                    blocks,
+                }
+            })
+            .collect();
+        out.sort_by_key(|s| s.addr);
+        out
+    }
+
+    /// Checks the structure: blocks tile each segment, neighbours link both ways, no two free
+    /// neighbours are left unmerged, indexes agree with states. For tests.
+    pub fn check(&self) -> Result<(), String> {
+        let mut free_seen = 0;
+        for (si, s) in self.segments.iter().enumerate() {
+            if !s.live {
+                continue;
+            }
+            let mut id = s.head;
+            let mut addr = s.addr;
+            let mut prev = NIL;
+            while id != NIL {
+                let b = self.block(id);
+                if b.seg as usize != si {
+                    return Err(format!("block {id} in segment {si} says segment {}", b.seg));
+                }
+                if b.addr != addr {
+                    return Err(format!(
+                        "gap or overlap at {addr:#x} (block at {:#x})",
+                        b.addr
+                    ));
+                }
+                if b.prev != prev {
+                    return Err(format!("block {id} prev link broken"));
+                }
+                if b.size == 0 {
+                    return Err(format!("block {id} has size 0"));
+                }
+                if prev != NIL {
+                    let p = self.block(prev);
+                    if p.state == b.state && matches!(b.state, State::Free | State::Unmapped) {
+                        return Err(format!("free neighbours left unmerged at {:#x}", b.addr));
+                    }
+                }
+                let indexed = match b.state {
+                    State::Free => {
+                        free_seen += 1;
+                        self.free[heap(s.pool)].get(&(b.size, b.addr)) == Some(&id)
+                    }
+                    State::Unmapped => self.unmapped[heap(s.pool)].get(&b.addr) == Some(&id),
+                    _ => self.live.get(&b.addr) == Some(&id),
+                };
+                if !indexed {
+                    return Err(format!(
+                        "block {id} at {:#x} missing from its index",
+                        b.addr
+                    ));
+                }
+                addr += b.size;
+                prev = id;
+                id = b.next;
+            }
+            if addr != s.addr + s.size {
+                return Err(format!(
+                    "segment {si} blocks end at {addr:#x}, segment at {:#x}",
+                    s.addr + s.size
+                ));
+            }
+        }
+        let indexed: usize = self.free.iter().map(|f| f.len()).sum();
+        if indexed != free_seen {
+            return Err(format!(
+                "{indexed} blocks indexed as free, {free_seen} free in segments"
+            ));
+        }
+        Ok(())
+    }
+}

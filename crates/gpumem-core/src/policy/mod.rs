@@ -1,0 +1,235 @@
+//! Placement policies: where a block goes and where its memory comes from.
+//!
+//! One policy instance serves one stream (the engine keeps a shard per stream, as PyTorch
+//! keeps blocks of different streams apart). Policies that share physical memory between
+//! streams (stitched) share it through an object their factory hands to every shard.
+
+pub mod blocks;
+pub mod buddy;
+pub mod expandable;
+pub mod segmented;
+pub mod stitched;
+
+use crate::backend::{DevPtr, DeviceInfo, Stream};
+use crate::device::Device;
+use crate::error::BackendError;
+use crate::stats::{MemoryStats, Pool};
+use serde::Serialize;
+use std::sync::Arc;
+
+/// What a block is doing, for snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum BlockKind {
+    /// Handed out to the user.
+    Allocated,
+    /// Freed, waiting for other streams.
+    Pending,
+    /// Cached, reusable.
+    Free,
+    /// Address space with nothing mapped.
+    Unmapped,
+}
+
+/// One block of a snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BlockInfo {
+    /// Address.
+    pub addr: u64,
+    /// Size.
+    pub size: u64,
+    /// Bytes asked for (0 if free).
+    pub requested: u64,
+    /// State.
+    pub kind: BlockKind,
+}
+
+/// One segment (contiguous range) of a snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SegmentInfo {
+    /// Address.
+    pub addr: u64,
+    /// Size.
+    pub size: u64,
+    /// Stream that owns it.
+    pub stream: Stream,
+    /// Pool.
+    pub pool: Pool,
+    /// Its blocks by address.
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// A placement: the address handed out and the block size behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Address of the block.
+    pub addr: DevPtr,
+    /// Bytes of the block (the request rounded up).
+    pub size: u64,
+}
+
+/// A placement policy for one stream.
+pub trait Policy: Send {
+    /// The policy's name as `GPUMEM_CONF` spells it.
+    fn name(&self) -> &'static str;
+
+    /// Finds room for `size` (> 0) bytes. An error with `out_of_memory` set means the device
+    /// (or the cap) refused more memory; the engine then releases caches and retries.
+    fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError>;
+
+    /// The user freed the block at `addr`. Returns its size, or `None` if `addr` is not a
+    /// live block of this policy.
+    fn free_requested(&mut self, addr: DevPtr) -> Option<u64>;
+
+    /// The block at `addr` (freed earlier) may now be reused: all streams are done with it.
+    fn release(&mut self, addr: DevPtr, dev: &Device) -> Result<(), BackendError>;
+
+    /// Returns cached memory that no live block uses to the device; returns the bytes
+    /// returned.
+    fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError>;
+
+    /// Block statistics (allocation, active, inactive_split and their bytes, requested_bytes).
+    fn stats(&self) -> &MemoryStats;
+
+    /// Resets the peaks of the block statistics.
+    fn reset_peaks(&mut self);
+
+    /// Size of the largest free block.
+    fn largest_free(&self) -> u64;
+
+    /// Segments and blocks, for snapshots.
+    fn segments(&self) -> Vec<SegmentInfo>;
+
+    /// Whether `addr` is a block handed out and not yet freed.
+    fn is_allocated(&self, addr: DevPtr) -> bool;
+
+    /// Whether `addr` is the start of a cached (free) block: a second free of it is a double
+    /// free.
+    fn is_free_block(&self, addr: DevPtr) -> bool;
+
+    /// Checks internal invariants; for tests.
+    fn check(&self) -> Result<(), String>;
+}
+
+/// The policies gpumem knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum PolicyKind {
+    /// A simulation of PyTorch's native caching allocator.
+    Native,
+    /// A simulation of PyTorch with `expandable_segments:True`.
+    Expandable,
+    /// gpumem's best-fit caching policy over plain segments.
+    Caching,
+    /// Power-of-two buddy allocation.
+    Buddy,
+    /// Virtual-memory stitching of physical pages.
+    Stitched,
+}
+
+impl PolicyKind {
+    /// Every policy, in the order the replay shows them.
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::Native,
+        PolicyKind::Expandable,
+        PolicyKind::Caching,
+        PolicyKind::Buddy,
+        PolicyKind::Stitched,
+    ];
+
+    /// The name `GPUMEM_CONF` and `--policy` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Native => "native",
+            PolicyKind::Expandable => "expandable",
+            PolicyKind::Caching => "caching",
+            PolicyKind::Buddy => "buddy",
+            PolicyKind::Stitched => "stitched",
+        }
+    }
+
+    /// One line on what it is.
+    pub fn describe(self) -> &'static str {
+        match self {
+            PolicyKind::Native => "simulation of PyTorch's native caching allocator",
+            PolicyKind::Expandable => "simulation of PyTorch with expandable_segments:True",
+            PolicyKind::Caching => "gpumem best-fit caching over cuMemAlloc segments",
+            PolicyKind::Buddy => "power-of-two buddy allocator",
+            PolicyKind::Stitched => "gpumem virtual-memory stitching of 2 MiB pages",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<PolicyKind> {
+        let s = s.trim().to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .or(match s.as_str() {
+                "pytorch" | "torch" => Some(PolicyKind::Native),
+                "expandable_segments" => Some(PolicyKind::Expandable),
+                "vmm" | "stitch" => Some(PolicyKind::Stitched),
+                _ => None,
+            })
+    }
+
+    /// Whether the policy takes memory through the virtual-memory API (pages) rather than
+    /// plain segments; decides the form of preallocation.
+    pub fn uses_pages(self) -> bool {
+        matches!(self, PolicyKind::Expandable | PolicyKind::Stitched)
+    }
+}
+
+/// Tuning knobs of the policies (from `GPUMEM_CONF`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyOptions {
+    /// Stitched: extra pages kept mapped beyond the live peak, as a fraction of it, to avoid
+    /// remapping (0.0 keeps held memory at the page-touch minimum).
+    pub slack: f64,
+    /// Stitched: virtual space reserved per stream, as a multiple of the device memory.
+    pub va_factor: u64,
+}
+
+impl Default for PolicyOptions {
+    fn default() -> Self {
+        Self {
+            slack: 0.01,
+            va_factor: 2,
+        }
+    }
+}
+
+/// Makes the policy instance of each stream; shares what the streams of one device share.
+pub struct PolicyFactory {
+    kind: PolicyKind,
+    make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync>,
+}
+
+impl PolicyFactory {
+    /// A factory for `kind` on the device described by `info`.
+    pub fn new(kind: PolicyKind, info: &DeviceInfo, opts: &PolicyOptions) -> Self {
+        let make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync> = match kind {
+            PolicyKind::Native => Box::new(|s| Box::new(segmented::Segmented::native(s))),
+            PolicyKind::Caching => Box::new(|s| Box::new(segmented::Segmented::caching(s))),
+            PolicyKind::Expandable => {
+                let total = info.total_bytes;
+                Box::new(move |s| Box::new(expandable::Expandable::new(s, total)))
+            }
+            PolicyKind::Buddy => Box::new(|s| Box::new(buddy::Buddy::new(s))),
+            PolicyKind::Stitched => {
+                let shared = Arc::new(stitched::PagePool::new(info, opts));
+                let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
+                Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
+            }
+        };
+        Self { kind, make }
+    }
+
+    /// The policy kind.
+    pub fn kind(&self) -> PolicyKind {
+        self.kind
+    }
+
+    /// A fresh instance for `stream`.
+    pub fn make(&self, stream: Stream) -> Box<dyn Policy> {
+        (self.make)(stream)
+    }
+}

@@ -1,0 +1,365 @@
+//! Runs a recorded allocation trace through a policy and measures what it would have held.
+//!
+//! The trace's requests are replayed in order: `alloc` allocates, `free_requested` frees, and
+//! a block whose `free_completed` comes later than its `free_requested` (it was used on
+//! another stream) is freed with a stream use whose event completes exactly where the trace
+//! says it did. Peak live bytes come from the trace itself (requested sizes, live from `alloc`
+//! to `free_completed`), so every policy is measured against the same denominator.
+
+use crate::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
+use crate::backend::{Backend, CallCounts, EventHandle, Stream};
+use crate::config::Config;
+use crate::engine::{Allocation, Allocator};
+use crate::error::AllocError;
+use crate::policy::PolicyKind;
+use crate::trace::{Kind, Trace};
+use crate::units::H200_TOTAL_BYTES;
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// The stream a cross-stream use is recorded on when the trace does not say which.
+pub const OTHER_STREAM: Stream = u64::MAX - 1;
+
+/// How the simulated policy compares with what the recording allocator did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Fidelity {
+    /// Same number of segment allocations, of the same sizes, in the same order.
+    pub segments_match: bool,
+    /// (simulated peak held − recorded peak held) / recorded peak held.
+    pub peak_held_error: f64,
+    /// Segment allocations in the trace.
+    pub trace_segments: usize,
+    /// Segment allocations in the simulation.
+    pub sim_segments: usize,
+    /// Peak bytes the recording allocator held.
+    pub trace_peak_held: u64,
+    /// Index of the first segment allocation that differs, if any.
+    pub first_mismatch: Option<usize>,
+}
+
+/// The result of replaying one trace under one policy.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyResult {
+    /// Policy name.
+    pub policy: String,
+    /// Peak bytes held from the device.
+    pub peak_held_bytes: u64,
+    /// Peak bytes of live requested tensors.
+    pub peak_live_bytes: u64,
+    /// peak_held / peak_live.
+    pub ratio: f64,
+    /// Driver calls by kind.
+    pub driver_calls: serde_json::Value,
+    /// Total driver calls.
+    pub driver_calls_total: u64,
+    /// Estimated driver time (cost model × calls), seconds.
+    pub est_driver_seconds: f64,
+    /// Driver calls in each quarter of the trace (by event index).
+    pub calls_by_quarter: [u64; 4],
+    /// Estimated driver seconds in each quarter.
+    pub est_seconds_by_quarter: [f64; 4],
+    /// Requests that failed for lack of memory.
+    pub ooms: u64,
+    /// Allocations replayed.
+    pub allocs: u64,
+    /// Wall time of the replay (host side, engine + simulated device), seconds.
+    pub replay_seconds: f64,
+    /// Host time per allocator operation (alloc or free), nanoseconds.
+    pub ns_per_op: f64,
+    /// Comparison with the recording allocator (native simulation of a trace with segment
+    /// events only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fidelity: Option<Fidelity>,
+}
+
+/// Options of a replay.
+#[derive(Clone)]
+pub struct ReplayOptions {
+    /// Configuration applied to every policy (the policy field is replaced).
+    pub config: Config,
+    /// Memory of the simulated device.
+    pub device_total: u64,
+    /// Check every policy invariant this often (events), for tests; 0: never.
+    pub check_every: usize,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self {
+            config: Config::default(),
+            device_total: H200_TOTAL_BYTES,
+            check_every: 0,
+        }
+    }
+}
+
+/// Peak live bytes of a trace: requested sizes, live from `alloc` to `free_completed`.
+pub fn peak_live(trace: &Trace) -> u64 {
+    let mut live: FxHashMap<u64, u64> = FxHashMap::default();
+    let (mut cur, mut peak) = (0u64, 0u64);
+    for e in &trace.events {
+        match e.kind {
+            Kind::Alloc => {
+                if let Some(old) = live.insert(e.addr, e.size) {
+                    cur -= old;
+                }
+                cur += e.size;
+                peak = peak.max(cur);
+            }
+            Kind::FreeCompleted => {
+                if let Some(s) = live.remove(&e.addr) {
+                    cur -= s;
+                }
+            }
+            _ => {}
+        }
+    }
+    peak
+}
+
+/// The recording allocator's own segment allocations (sizes in order) and its peak held.
+fn recorded_segments(trace: &Trace) -> (Vec<u64>, u64) {
+    let (mut sizes, mut cur, mut peak) = (Vec::new(), 0u64, 0u64);
+    for e in &trace.events {
+        match e.kind {
+            Kind::SegmentAlloc | Kind::SegmentMap => {
+                if e.kind == Kind::SegmentAlloc {
+                    sizes.push(e.size);
+                }
+                cur += e.size;
+                peak = peak.max(cur);
+            }
+            Kind::SegmentFree | Kind::SegmentUnmap => cur = cur.saturating_sub(e.size),
+            _ => {}
+        }
+    }
+    (sizes, peak)
+}
+
+/// Replays `trace` under `policy` on a simulated device. `progress` is increased by one for
+/// every event replayed.
+pub fn replay(
+    trace: &Trace,
+    policy: PolicyKind,
+    opts: &ReplayOptions,
+    progress: Option<&AtomicU64>,
+) -> Result<PolicyResult, AllocError> {
+    // The native simulation gets the recorded segment addresses, so that it breaks best-fit
+    // ties between equal free blocks as the real allocator did.
+    let segment_addresses = if policy == PolicyKind::Native {
+        trace
+            .events
+            .iter()
+            .filter(|e| e.kind == Kind::SegmentAlloc)
+            .map(|e| (e.size, e.addr))
+            .collect()
+    } else {
+        Default::default()
+    };
+    let (sim, ctl) = SimBackend::new(SimConfig {
+        total_bytes: opts.device_total,
+        event_mode: EventMode::Manual,
+        segment_addresses,
+        ..SimConfig::default()
+    });
+    replay_on(
+        trace,
+        policy,
+        opts,
+        Box::new(sim),
+        Some(ctl),
+        progress,
+        None,
+    )
+}
+
+/// A function given every block the replay allocates (address, bytes): the CUDA replay
+/// writes into them.
+pub type TouchFn<'a> = &'a (dyn Fn(u64, u64) + Sync);
+
+/// Replays `trace` under `policy` on any backend. With `events` (a simulated device), stream
+/// uses complete where the trace says; without, they complete when the device says.
+pub fn replay_on(
+    trace: &Trace,
+    policy: PolicyKind,
+    opts: &ReplayOptions,
+    backend: Box<dyn Backend>,
+    events: Option<SimControl>,
+    progress: Option<&AtomicU64>,
+    touch: Option<TouchFn<'_>>,
+) -> Result<PolicyResult, AllocError> {
+    let mut cfg = opts.config.clone();
+    cfg.policy = policy;
+    let alloc = Allocator::new(backend, cfg)?;
+    let fidelity_wanted = policy == PolicyKind::Native && trace.has_segment_events();
+    if fidelity_wanted {
+        alloc.device().lock().log_segments(true);
+    }
+    let n = trace.events.len();
+    let quarter = n.div_ceil(4).max(1);
+    let mut calls_at: Vec<CallCounts> = Vec::new();
+    let mut blocks: FxHashMap<(u64, u64), Allocation> = FxHashMap::default();
+    let mut waiting: FxHashMap<(u64, u64), Vec<EventHandle>> = FxHashMap::default();
+    let (mut ooms, mut allocs, mut ops) = (0u64, 0u64, 0u64);
+    let start = Instant::now();
+    let mut reported = 0usize;
+    for (i, e) in trace.events.iter().enumerate() {
+        if i % quarter == 0 && i > 0 {
+            calls_at.push(alloc.driver_calls());
+        }
+        match e.kind {
+            Kind::Alloc if e.size > 0 => {
+                ops += 1;
+                match alloc.allocate(e.size, e.stream) {
+                    Ok(a) => {
+                        allocs += 1;
+                        if let Some(t) = touch {
+                            t(a.ptr, e.size);
+                        }
+                        blocks.insert((e.stream, e.addr), a);
+                    }
+                    Err(err) if err.is_oom() => ooms += 1,
+                    Err(err) => return Err(err),
+                }
+            }
+            Kind::FreeRequested => {
+                let Some(a) = blocks.get(&(e.stream, e.addr)).copied() else {
+                    continue;
+                };
+                ops += 1;
+                let immediate = trace.events.get(i + 1).is_some_and(|nx| {
+                    nx.kind == Kind::FreeCompleted && nx.addr == e.addr && nx.stream == e.stream
+                });
+                match (&events, immediate) {
+                    (Some(ctl), false) => {
+                        // Used on another stream: the event recorded at the free completes
+                        // where the trace's free_completed is.
+                        ctl.take_recorded();
+                        alloc.record_stream(a.ptr, OTHER_STREAM)?;
+                        alloc.free_allocation(&a)?;
+                        let evs = ctl.take_recorded().into_iter().map(|(h, _)| h).collect();
+                        waiting.insert((e.stream, e.addr), evs);
+                    }
+                    (None, false) => {
+                        alloc.record_stream(a.ptr, OTHER_STREAM)?;
+                        alloc.free_allocation(&a)?;
+                    }
+                    (_, true) => alloc.free_allocation(&a)?,
+                }
+            }
+            Kind::FreeCompleted => {
+                blocks.remove(&(e.stream, e.addr));
+                if let (Some(evs), Some(ctl)) =
+                    (waiting.remove(&(e.stream, e.addr)), events.as_ref())
+                {
+                    for h in evs {
+                        ctl.complete(h);
+                    }
+                }
+            }
+            _ => {}
+        }
+        if opts.check_every > 0 && i % opts.check_every == 0 {
+            alloc
+                .check()
+                .map_err(|m| AllocError::Config(format!("invariant broken at event {i}: {m}")))?;
+        }
+        if let Some(p) = progress {
+            if i - reported >= 4096 {
+                p.fetch_add((i - reported) as u64, Ordering::Relaxed);
+                reported = i;
+            }
+        }
+    }
+    if let Some(p) = progress {
+        p.fetch_add((n - reported) as u64, Ordering::Relaxed);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let calls = alloc.driver_calls();
+    while calls_at.len() < 3 {
+        calls_at.push(calls.clone());
+    }
+    calls_at.push(calls.clone());
+    let mut calls_by_quarter = [0u64; 4];
+    let mut est_by_quarter = [0f64; 4];
+    let mut prev = CallCounts::default();
+    for (q, c) in calls_at.iter().take(4).enumerate() {
+        let d = c.since(&prev);
+        calls_by_quarter[q] = d.total();
+        est_by_quarter[q] = d.est_seconds();
+        prev = c.clone();
+    }
+    let peak_live_bytes = peak_live(trace);
+    let peak_held_bytes = alloc.peak_held_bytes();
+    let fidelity = fidelity_wanted.then(|| {
+        let (trace_sizes, trace_peak) = recorded_segments(trace);
+        let d = alloc.device().lock();
+        let sim_sizes = d.segment_log();
+        let first_mismatch = trace_sizes
+            .iter()
+            .zip(sim_sizes)
+            .position(|(a, b)| a != b)
+            .or((trace_sizes.len() != sim_sizes.len())
+                .then(|| trace_sizes.len().min(sim_sizes.len())));
+        Fidelity {
+            segments_match: first_mismatch.is_none(),
+            peak_held_error: if trace_peak == 0 {
+                0.0
+            } else {
+                (peak_held_bytes as f64 - trace_peak as f64) / trace_peak as f64
+            },
+            trace_segments: trace_sizes.len(),
+            sim_segments: sim_sizes.len(),
+            trace_peak_held: trace_peak,
+            first_mismatch,
+        }
+    });
+    Ok(PolicyResult {
+        policy: policy.name().to_string(),
+        peak_held_bytes,
+        peak_live_bytes,
+        ratio: if peak_live_bytes == 0 {
+            0.0
+        } else {
+            peak_held_bytes as f64 / peak_live_bytes as f64
+        },
+        driver_calls: calls.to_json(),
+        driver_calls_total: calls.total(),
+        est_driver_seconds: calls.est_seconds(),
+        calls_by_quarter,
+        est_seconds_by_quarter: est_by_quarter,
+        ooms,
+        allocs,
+        replay_seconds: elapsed,
+        ns_per_op: if ops == 0 {
+            0.0
+        } else {
+            elapsed * 1e9 / ops as f64
+        },
+        fidelity,
+    })
+}
+
+/// Replays `trace` under each policy, in parallel threads.
+pub fn replay_all(
+    trace: &Trace,
+    policies: &[PolicyKind],
+    opts: &ReplayOptions,
+    progress: Option<&AtomicU64>,
+) -> Vec<Result<PolicyResult, AllocError>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = policies
+            .iter()
+            .map(|&p| s.spawn(move || replay(trace, p, opts, progress)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(AllocError::Config("replay thread panicked".into())))
+            })
+            .collect()
+    })
+}

@@ -1,0 +1,3 @@
+//! Human-readable reports: the replay comparison table.
+
+pub mod replay_table;

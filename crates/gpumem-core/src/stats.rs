@@ -1,0 +1,320 @@
+//! Allocator statistics under PyTorch's names (`torch.cuda.memory_stats()`), so dashboards and
+//! habits carry over: `allocated_bytes.all.peak`, `reserved_bytes.large_pool.current`, ...
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One statistic: its current value, its high-water mark, and the totals added and removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Stat {
+    /// Value now.
+    pub current: i64,
+    /// Highest value since the last peak reset.
+    pub peak: i64,
+    /// Sum of all increases.
+    pub allocated: i64,
+    /// Sum of all decreases.
+    pub freed: i64,
+}
+
+impl Stat {
+    /// Adds `n`.
+    #[inline]
+    pub fn inc(&mut self, n: u64) {
+        self.current += n as i64;
+        self.allocated += n as i64;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+    }
+
+    /// Removes `n`.
+    #[inline]
+    pub fn dec(&mut self, n: u64) {
+        self.current -= n as i64;
+        self.freed += n as i64;
+    }
+
+    /// Adds a signed change.
+    #[inline]
+    pub fn change(&mut self, delta: i64) {
+        if delta >= 0 {
+            self.inc(delta as u64)
+        } else {
+            self.dec(delta.unsigned_abs())
+        }
+    }
+}
+
+/// Which pool a block belongs to, for the per-pool statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum Pool {
+    /// Requests of at most 1 MiB.
+    Small,
+    /// Everything else.
+    Large,
+}
+
+impl Pool {
+    /// The pool PyTorch would put a request of `size` (rounded) bytes in.
+    #[inline]
+    pub fn of(size: u64) -> Pool {
+        if size <= crate::units::SMALL_SIZE {
+            Pool::Small
+        } else {
+            Pool::Large
+        }
+    }
+
+    /// "small_pool" / "large_pool".
+    pub fn name(self) -> &'static str {
+        match self {
+            Pool::Small => "small_pool",
+            Pool::Large => "large_pool",
+        }
+    }
+}
+
+/// A statistic for all pools together and for each pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StatArray {
+    /// Both pools.
+    pub all: Stat,
+    /// Requests of at most 1 MiB.
+    pub small_pool: Stat,
+    /// Larger requests.
+    pub large_pool: Stat,
+}
+
+impl StatArray {
+    /// Adds `n` to the aggregate and to `pool`.
+    #[inline]
+    pub fn inc(&mut self, pool: Pool, n: u64) {
+        self.all.inc(n);
+        self.pool_mut(pool).inc(n);
+    }
+
+    /// Removes `n` from the aggregate and from `pool`.
+    #[inline]
+    pub fn dec(&mut self, pool: Pool, n: u64) {
+        self.all.dec(n);
+        self.pool_mut(pool).dec(n);
+    }
+
+    /// Signed change.
+    #[inline]
+    pub fn change(&mut self, pool: Pool, delta: i64) {
+        self.all.change(delta);
+        self.pool_mut(pool).change(delta);
+    }
+
+    #[inline]
+    fn pool_mut(&mut self, pool: Pool) -> &mut Stat {
+        match pool {
+            Pool::Small => &mut self.small_pool,
+            Pool::Large => &mut self.large_pool,
+        }
+    }
+
+    fn each(&self) -> [(&'static str, &Stat); 3] {
+        [
+            ("all", &self.all),
+            ("small_pool", &self.small_pool),
+            ("large_pool", &self.large_pool),
+        ]
+    }
+
+    fn each_mut(&mut self) -> [&mut Stat; 3] {
+        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+    }
+}
+
+/// The statistics of one allocator, with `torch.cuda.memory_stats()`'s names and meanings:
+///
+/// - `allocation` / `allocated_bytes`: blocks handed out and not yet freed by the user.
+/// - `active` / `active_bytes`: allocated, or freed but waiting for other streams' events.
+/// - `inactive_split` / `inactive_split_bytes`: free blocks that are part of a split segment
+///   (memory that cannot be returned to the device on its own).
+/// - `segment` / `reserved_bytes`: physical allocations held from the device and their bytes.
+/// - `requested_bytes`: the sizes the user asked for, before rounding.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryStats {
+    /// Live blocks.
+    pub allocation: StatArray,
+    /// Physical allocations held (segments, or physical pages for the virtual-memory policies).
+    pub segment: StatArray,
+    /// Live blocks plus blocks waiting for events.
+    pub active: StatArray,
+    /// Free blocks inside split segments.
+    pub inactive_split: StatArray,
+    /// Bytes of live blocks.
+    pub allocated_bytes: StatArray,
+    /// Bytes held from the device.
+    pub reserved_bytes: StatArray,
+    /// Bytes of active blocks.
+    pub active_bytes: StatArray,
+    /// Bytes of free blocks inside split segments.
+    pub inactive_split_bytes: StatArray,
+    /// Bytes requested by the user for active blocks.
+    pub requested_bytes: StatArray,
+    /// Times the allocator released its cache and retried a request.
+    pub num_alloc_retries: i64,
+    /// Requests that failed for lack of memory.
+    pub num_ooms: i64,
+    /// Times every outstanding event was waited for.
+    pub num_sync_all_streams: i64,
+    /// Physical allocations made (cuMemAlloc or cuMemCreate).
+    pub num_device_alloc: i64,
+    /// Physical allocations returned.
+    pub num_device_free: i64,
+}
+
+impl MemoryStats {
+    /// Adds the block statistics of `other` (another stream's shard) into `self`. Current
+    /// values, totals and counters add exactly; peaks add too, which makes the combined peak
+    /// an upper bound of the true device-wide peak when several streams allocate.
+    pub fn merge_blocks(&mut self, other: &MemoryStats) {
+        let pairs = [
+            (&mut self.allocation, &other.allocation),
+            (&mut self.active, &other.active),
+            (&mut self.inactive_split, &other.inactive_split),
+            (&mut self.allocated_bytes, &other.allocated_bytes),
+            (&mut self.active_bytes, &other.active_bytes),
+            (&mut self.inactive_split_bytes, &other.inactive_split_bytes),
+            (&mut self.requested_bytes, &other.requested_bytes),
+        ];
+        for (mine, theirs) in pairs {
+            for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
+                m.current += t.current;
+                m.peak += t.peak;
+                m.allocated += t.allocated;
+                m.freed += t.freed;
+            }
+        }
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_sync_all_streams += other.num_sync_all_streams;
+    }
+
+    /// Sets every peak to the current value (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peaks(&mut self) {
+        for arr in self.arrays_mut() {
+            for s in arr.each_mut() {
+                s.peak = s.current;
+            }
+        }
+    }
+
+    /// Zeroes the `allocated`/`freed` totals and the counters
+    /// (`torch.cuda.reset_accumulated_memory_stats`).
+    pub fn reset_accumulated(&mut self) {
+        for arr in self.arrays_mut() {
+            for s in arr.each_mut() {
+                s.allocated = 0;
+                s.freed = 0;
+            }
+        }
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+    }
+
+    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// The flat dictionary `torch.cuda.memory_stats()` returns:
+    /// `"allocated_bytes.all.current" -> value`, plus the counters.
+    pub fn to_flat(&self) -> BTreeMap<String, i64> {
+        let mut m = BTreeMap::new();
+        for (name, arr) in self.arrays() {
+            for (pool, s) in arr.each() {
+                m.insert(format!("{name}.{pool}.current"), s.current);
+                m.insert(format!("{name}.{pool}.peak"), s.peak);
+                m.insert(format!("{name}.{pool}.allocated"), s.allocated);
+                m.insert(format!("{name}.{pool}.freed"), s.freed);
+            }
+        }
+        m.insert("num_alloc_retries".into(), self.num_alloc_retries);
+        m.insert("num_ooms".into(), self.num_ooms);
+        m.insert("num_sync_all_streams".into(), self.num_sync_all_streams);
+        m.insert("num_device_alloc".into(), self.num_device_alloc);
+        m.insert("num_device_free".into(), self.num_device_free);
+        // gpumem never refuses to split a block for its size (PyTorch's default too).
+        m.insert("max_split_size".into(), -1);
+        m
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.inc(10);
+        s.inc(5);
+        s.dec(12);
+        s.inc(1);
+        assert_eq!(
+            s,
+            Stat {
+                current: 4,
+                peak: 15,
+                allocated: 16,
+                freed: 12
+            }
+        );
+    }
+
+    #[test]
+    fn flat_names_match_torch() {
+        let mut m = MemoryStats::default();
+        m.allocated_bytes.inc(Pool::Large, 4 << 20);
+        m.allocated_bytes.inc(Pool::Small, 512);
+        let f = m.to_flat();
+        assert_eq!(f["allocated_bytes.all.current"], (4 << 20) + 512);
+        assert_eq!(f["allocated_bytes.large_pool.peak"], 4 << 20);
+        assert_eq!(f["allocated_bytes.small_pool.allocated"], 512);
+        assert_eq!(f["reserved_bytes.all.current"], 0);
+        // 9 stats x 3 pools x 4 fields + 6 scalars
+        assert_eq!(f.len(), 9 * 3 * 4 + 6);
+    }
+
+    #[test]
+    fn reset_peaks_keeps_current() {
+        let mut m = MemoryStats::default();
+        m.active_bytes.inc(Pool::Small, 100);
+        m.active_bytes.dec(Pool::Small, 60);
+        m.reset_peaks();
+        assert_eq!(m.active_bytes.all.peak, 40);
+        assert_eq!(m.active_bytes.small_pool.peak, 40);
+    }
+}

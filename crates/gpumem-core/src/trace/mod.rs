@@ -1,0 +1,255 @@
+//! Allocation traces: the events an allocator saw, read from PyTorch snapshot pickles
+//! (`torch.cuda.memory._snapshot()`, plain or gzipped), RMM's CSV event logs, or gpumem's own
+//! compact format. Every reader streams: it decodes as it reads, without building the file's
+//! whole object tree, and keeps only the compact events.
+
+pub mod compact;
+pub mod input;
+pub mod pickle;
+pub mod rmm;
+
+use crate::error::TraceError;
+use serde::{Deserialize, Serialize};
+use std::io::Read;
+use std::path::Path;
+
+/// What an event records, with PyTorch's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Kind {
+    /// A block was handed out (`size` is the requested size).
+    Alloc = 0,
+    /// The user freed it.
+    FreeRequested = 1,
+    /// It became reusable (after other streams' events).
+    FreeCompleted = 2,
+    /// The recording allocator took a segment from the device.
+    SegmentAlloc = 3,
+    /// It returned one.
+    SegmentFree = 4,
+    /// It mapped pages (expandable segments).
+    SegmentMap = 5,
+    /// It unmapped pages.
+    SegmentUnmap = 6,
+    /// A request failed for lack of memory.
+    Oom = 7,
+    /// A snapshot was taken.
+    Snapshot = 8,
+}
+
+impl Kind {
+    /// From PyTorch's action name.
+    pub fn from_torch(name: &str) -> Option<Kind> {
+        Some(match name {
+            "alloc" => Kind::Alloc,
+            "free_requested" => Kind::FreeRequested,
+            "free_completed" => Kind::FreeCompleted,
+            "segment_alloc" => Kind::SegmentAlloc,
+            "segment_free" => Kind::SegmentFree,
+            "segment_map" => Kind::SegmentMap,
+            "segment_unmap" => Kind::SegmentUnmap,
+            "oom" => Kind::Oom,
+            "snapshot" => Kind::Snapshot,
+            _ => return None,
+        })
+    }
+
+    /// PyTorch's action name.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Kind::Alloc => "alloc",
+            Kind::FreeRequested => "free_requested",
+            Kind::FreeCompleted => "free_completed",
+            Kind::SegmentAlloc => "segment_alloc",
+            Kind::SegmentFree => "segment_free",
+            Kind::SegmentMap => "segment_map",
+            Kind::SegmentUnmap => "segment_unmap",
+            Kind::Oom => "oom",
+            Kind::Snapshot => "snapshot",
+        }
+    }
+
+    /// From the compact format's tag.
+    pub fn from_u8(v: u8) -> Option<Kind> {
+        use Kind::*;
+        [
+            Alloc,
+            FreeRequested,
+            FreeCompleted,
+            SegmentAlloc,
+            SegmentFree,
+            SegmentMap,
+            SegmentUnmap,
+            Oom,
+            Snapshot,
+        ]
+        .get(v as usize)
+        .copied()
+    }
+}
+
+/// One event of a trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event {
+    /// What happened.
+    pub kind: Kind,
+    /// Stream handle.
+    pub stream: u64,
+    /// Address.
+    pub addr: u64,
+    /// Bytes (requested size for allocations, segment size for segment events).
+    pub size: u64,
+    /// Microseconds (since the epoch in PyTorch traces; relative in others).
+    pub time_us: u64,
+}
+
+/// Where a trace came from and what it says about its recording.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TraceMeta {
+    /// The file it was read from.
+    pub source: String,
+    /// "pytorch-snapshot", "rmm-csv" or "gpumem".
+    pub format: String,
+    /// The device the events belong to.
+    pub device: u32,
+    /// Whether the recording allocator used expandable segments (PyTorch snapshots).
+    pub expandable_segments: Option<bool>,
+    /// `PYTORCH_CUDA_ALLOC_CONF` at recording time.
+    pub alloc_conf: Option<String>,
+}
+
+/// A trace in memory.
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    /// Events in order.
+    pub events: Vec<Event>,
+    /// Where it came from.
+    pub meta: TraceMeta,
+}
+
+impl Trace {
+    /// Whether the trace has the recording allocator's own segment events (which a
+    /// simulation of it can be checked against).
+    pub fn has_segment_events(&self) -> bool {
+        self.events
+            .iter()
+            .any(|e| matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap))
+    }
+
+    /// Streams that appear, in order of first appearance.
+    pub fn streams(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = Vec::new();
+        for e in &self.events {
+            if !v.contains(&e.stream) {
+                v.push(e.stream);
+            }
+        }
+        v
+    }
+
+    /// Number of allocation events.
+    pub fn allocs(&self) -> usize {
+        self.events.iter().filter(|e| e.kind == Kind::Alloc).count()
+    }
+}
+
+/// The formats gpumem reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// A PyTorch snapshot pickle.
+    TorchPickle,
+    /// RMM's CSV event log.
+    RmmCsv,
+    /// gpumem's compact format.
+    Compact,
+}
+
+/// Recognises a format from the first bytes of the (decompressed) content.
+pub fn sniff(head: &[u8]) -> Option<Format> {
+    if head.starts_with(compact::MAGIC) {
+        Some(Format::Compact)
+    } else if head.first() == Some(&0x80) {
+        Some(Format::TorchPickle)
+    } else if head.starts_with(b"Thread,Time,Action") || head.starts_with(b"\xef\xbb\xbfThread,") {
+        Some(Format::RmmCsv)
+    } else {
+        None
+    }
+}
+
+/// Reads a trace file of any known format, gzipped or not, keeping the events of `device`.
+/// `progress` is called with the compressed bytes read so far, for progress bars.
+pub fn load(
+    path: &Path,
+    device: u32,
+    progress: Option<input::Progress>,
+) -> Result<Trace, TraceError> {
+    let name = path.display().to_string();
+    let file = std::fs::File::open(path).map_err(|source| TraceError::Io {
+        path: name.clone(),
+        source,
+    })?;
+    let mut t = read(Box::new(file), &name, device, progress)?;
+    t.meta.source = name;
+    Ok(t)
+}
+
+/// Reads a trace from any reader (gzip detected by its magic number).
+pub fn read(
+    src: Box<dyn Read + Send>,
+    name: &str,
+    device: u32,
+    progress: Option<input::Progress>,
+) -> Result<Trace, TraceError> {
+    let mut inp = input::Input::open(src, name, progress)?;
+    let head = inp.peek(32)?;
+    let fmt = sniff(&head).ok_or_else(|| {
+        TraceError::UnknownFormat(format!(
+            "{name}: not a PyTorch snapshot pickle, an RMM CSV log or a gpumem trace \
+             (first bytes {:02x?})",
+            &head[..head.len().min(8)]
+        ))
+    })?;
+    let mut trace = match fmt {
+        Format::TorchPickle => pickle::read_snapshot(&mut inp, device)?,
+        Format::RmmCsv => rmm::read_csv(&mut inp)?,
+        Format::Compact => compact::read(&mut inp)?,
+    };
+    trace.meta.source = name.to_string();
+    validate(&trace)?;
+    Ok(trace)
+}
+
+/// Checks that the events make sense together: sizes are sane and no address is allocated
+/// twice without a free in between.
+pub fn validate(t: &Trace) -> Result<(), TraceError> {
+    let mut live: rustc_hash::FxHashSet<(u64, u64)> = Default::default();
+    for (i, e) in t.events.iter().enumerate() {
+        match e.kind {
+            Kind::Alloc => {
+                if e.size > (1u64 << 50) {
+                    return Err(TraceError::Inconsistent {
+                        index: i,
+                        what: format!("allocation of {} bytes is not plausible", e.size),
+                    });
+                }
+                if !live.insert((e.stream, e.addr)) && e.size > 0 {
+                    return Err(TraceError::Inconsistent {
+                        index: i,
+                        what: format!("address {:#x} allocated twice without a free", e.addr),
+                    });
+                }
+            }
+            Kind::FreeCompleted => {
+                live.remove(&(e.stream, e.addr));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A gzip writer (for `.gmt.gz` output).
+pub fn gzip_writer<W: std::io::Write>(w: W) -> impl std::io::Write {
+    flate2::write::GzEncoder::new(w, flate2::Compression::default())
+}

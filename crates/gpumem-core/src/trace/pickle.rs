@@ -1,0 +1,615 @@
+//! A streaming reader of PyTorch memory snapshots (`torch.cuda.memory._snapshot()` pickled).
+//!
+//! It runs the pickle opcodes itself but builds only what it needs: trace-entry dicts
+//! (those with an `action` key) are turned into compact [`Event`]s as soon as they are appended
+//! to their list and then dropped, so memory stays small however long the history. Strings are
+//! kept once in a table and referred to by index; containers referenced a second time through
+//! the memo are not rebuilt (no trace entry is shared, so nothing the replay needs is lost).
+
+use super::input::Input;
+use super::{Event, Kind, Trace, TraceMeta};
+use crate::error::TraceError;
+
+#[derive(Debug, Clone)]
+enum V {
+    None,
+    Bool(bool),
+    Int(i64),
+    Float,
+    Str(u32),
+    BigInt,
+    Bytes,
+    List(Vec<V>),
+    Dict(Vec<(V, V)>),
+    Tuple,
+    /// A list whose trace entries were streamed out (index into the event lists).
+    Events(u32),
+    /// A trace-entry dict, already converted (index into the scratch buffer; `None` there
+    /// for entries of actions the replay does not use).
+    Entry(u32),
+    /// A container seen before, not rebuilt.
+    Shared,
+    /// An instance of a class (not modelled).
+    Opaque,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Other,
+    Action,
+    Addr,
+    Size,
+    Stream,
+    TimeUs,
+    DeviceTraces,
+    AllocatorSettings,
+    ExpandableSegments,
+    AllocConf,
+    Kind(Kind),
+}
+
+fn tag_of(s: &str) -> Tag {
+    match s {
+        "action" => Tag::Action,
+        "addr" => Tag::Addr,
+        "size" => Tag::Size,
+        "stream" => Tag::Stream,
+        "time_us" => Tag::TimeUs,
+        "device_traces" => Tag::DeviceTraces,
+        "allocator_settings" => Tag::AllocatorSettings,
+        "expandable_segments" => Tag::ExpandableSegments,
+        "PYTORCH_CUDA_ALLOC_CONF" => Tag::AllocConf,
+        other => match Kind::from_torch(other) {
+            Some(k) => Tag::Kind(k),
+            None => Tag::Other,
+        },
+    }
+}
+
+struct Vm<'a> {
+    inp: &'a mut Input,
+    stack: Vec<V>,
+    marks: Vec<usize>,
+    /// Memo index -> index into `memo_vals`, or NO_VALUE for containers (not kept).
+    memo: Vec<u32>,
+    memo_vals: Vec<V>,
+    next_memo: u32,
+    /// Trace entries converted but not yet appended to their list.
+    scratch: Vec<Option<Event>>,
+    strings: Vec<Box<str>>,
+    tags: Vec<Tag>,
+    events: Vec<Vec<Event>>,
+    skipped: u64,
+}
+
+const NO_VALUE: u32 = u32::MAX;
+
+/// The trace entry described by `pairs` (key, value, key, value, ...), if it is one:
+/// `Some(None)` for an entry whose action the replay ignores.
+fn entry_of(tags: &[Tag], pairs: &[V]) -> Option<Option<Event>> {
+    let tag = |v: &V| match v {
+        V::Str(i) => tags[*i as usize],
+        _ => Tag::Other,
+    };
+    let mut kind = None;
+    let mut is_entry = false;
+    let (mut addr, mut size, mut stream, mut time) = (0i64, 0i64, 0i64, 0i64);
+    for kv in pairs.chunks_exact(2) {
+        let int = match &kv[1] {
+            V::Int(i) => *i,
+            V::Bool(b) => *b as i64,
+            _ => 0,
+        };
+        match tag(&kv[0]) {
+            Tag::Action => {
+                is_entry = true;
+                if let Tag::Kind(k) = tag(&kv[1]) {
+                    kind = Some(k);
+                }
+            }
+            Tag::Addr => addr = int,
+            Tag::Size => size = int,
+            Tag::Stream => stream = int,
+            Tag::TimeUs => time = int,
+            _ => {}
+        }
+    }
+    if !is_entry {
+        return None;
+    }
+    Some(kind.map(|kind| Event {
+        kind,
+        stream: stream as u64,
+        addr: addr as u64,
+        size: size.max(0) as u64,
+        time_us: time.max(0) as u64,
+    }))
+}
+
+fn malformed(offset: u64, what: impl Into<String>) -> TraceError {
+    TraceError::Malformed {
+        offset,
+        what: what.into(),
+    }
+}
+
+impl<'a> Vm<'a> {
+    fn pop(&mut self) -> Result<V, TraceError> {
+        let off = self.inp.offset();
+        self.stack
+            .pop()
+            .ok_or_else(|| malformed(off, "pickle stack underflow"))
+    }
+
+    fn top(&mut self) -> Result<&mut V, TraceError> {
+        let off = self.inp.offset();
+        self.stack
+            .last_mut()
+            .ok_or_else(|| malformed(off, "pickle stack is empty"))
+    }
+
+    fn pop_mark(&mut self) -> Result<Vec<V>, TraceError> {
+        let off = self.inp.offset();
+        let m = self
+            .marks
+            .pop()
+            .ok_or_else(|| malformed(off, "no MARK on the pickle stack"))?;
+        if m > self.stack.len() {
+            return Err(malformed(off, "MARK above the stack top"));
+        }
+        Ok(self.stack.split_off(m))
+    }
+
+    fn string(&mut self, bytes: &[u8]) -> Result<V, TraceError> {
+        let s = std::str::from_utf8(bytes)
+            .map_err(|_| malformed(self.inp.offset(), "string is not UTF-8"))?;
+        self.tags.push(tag_of(s));
+        self.strings.push(s.into());
+        Ok(V::Str((self.strings.len() - 1) as u32))
+    }
+
+    fn memo_put(&mut self, idx: u32) -> Result<(), TraceError> {
+        let v = match self.top()? {
+            // Containers are filled after they are memoized; a second reference to one is
+            // represented as Shared rather than copied.
+            V::List(_)
+            | V::Dict(_)
+            | V::Tuple
+            | V::Events(_)
+            | V::Entry(_)
+            | V::Shared
+            | V::Opaque => None,
+            other => Some(other.clone()),
+        };
+        let i = idx as usize;
+        if i >= self.memo.len() {
+            if i > (1 << 31) {
+                return Err(malformed(self.inp.offset(), format!("memo index {idx}")));
+            }
+            self.memo.resize(i + 1, NO_VALUE);
+        }
+        self.memo[i] = match v {
+            Some(v) => {
+                self.memo_vals.push(v);
+                (self.memo_vals.len() - 1) as u32
+            }
+            None => NO_VALUE,
+        };
+        Ok(())
+    }
+
+    fn tag(&self, v: &V) -> Tag {
+        match v {
+            V::Str(i) => self.tags[*i as usize],
+            _ => Tag::Other,
+        }
+    }
+
+    /// Appends `items` to the list below them, streaming trace entries out.
+    fn append(&mut self, items: Vec<V>) -> Result<(), TraceError> {
+        let off = self.inp.offset();
+        let mut target_id = match self.stack.last() {
+            Some(V::Events(id)) => Some(*id),
+            Some(_) => None,
+            None => return Err(malformed(off, "APPEND with no list")),
+        };
+        let mut kept = Vec::new();
+        for it in items {
+            let as_event = match &it {
+                V::Entry(i) => Some(self.scratch[*i as usize].take()),
+                _ => None,
+            };
+            match as_event {
+                Some(ev) => {
+                    let id = match target_id {
+                        Some(id) => id,
+                        None => {
+                            self.events.push(Vec::new());
+                            let id = (self.events.len() - 1) as u32;
+                            target_id = Some(id);
+                            id
+                        }
+                    };
+                    match ev {
+                        Some(e) => self.events[id as usize].push(e),
+                        None => self.skipped += 1,
+                    }
+                }
+                None => kept.push(it),
+            }
+        }
+        let target = self.stack.last_mut().expect("checked above");
+        match (target, target_id) {
+            // A list that received trace entries becomes an event list; anything else
+            // appended to it is not kept.
+            (t @ V::List(_), Some(id)) => *t = V::Events(id),
+            (V::List(l), None) => l.extend(kept),
+            (V::Events(_), _) | (V::Shared, _) | (V::Opaque, _) => {}
+            _ => return Err(malformed(off, "APPEND to something that is not a list")),
+        }
+        // Forget converted entries once none is left on the stack.
+        if !self.scratch.is_empty() && !self.stack.iter().any(|v| matches!(v, V::Entry(_))) {
+            self.scratch.clear();
+        }
+        Ok(())
+    }
+
+    /// SETITEMS: the pairs above the mark at `m` go into the dict below it. A fresh dict
+    /// that turns out to be a trace entry is converted on the spot.
+    fn set_items_from(&mut self, m: usize) -> Result<(), TraceError> {
+        let off = self.inp.offset();
+        if m == 0 || m > self.stack.len() {
+            return Err(malformed(off, "SETITEMS with no dict"));
+        }
+        if (self.stack.len() - m) % 2 != 0 {
+            return Err(malformed(off, "SETITEMS with an odd number of items"));
+        }
+        let (head, pairs) = self.stack.split_at_mut(m);
+        let target = head.last_mut().expect("m > 0");
+        match target {
+            V::Dict(d) => {
+                if d.is_empty() {
+                    if let Some(ev) = entry_of(&self.tags, pairs) {
+                        self.scratch.push(ev);
+                        *target = V::Entry((self.scratch.len() - 1) as u32);
+                        self.stack.truncate(m);
+                        return Ok(());
+                    }
+                }
+                for kv in pairs.chunks_exact_mut(2) {
+                    d.push((
+                        std::mem::replace(&mut kv[0], V::None),
+                        std::mem::replace(&mut kv[1], V::None),
+                    ));
+                }
+            }
+            V::Shared | V::Opaque => {}
+            _ => return Err(malformed(off, "SETITEMS on something that is not a dict")),
+        }
+        self.stack.truncate(m);
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<V, TraceError> {
+        loop {
+            let off = self.inp.offset();
+            let Some(op) = self.inp.next_byte()? else {
+                return Err(TraceError::Truncated(format!(
+                    "{}: the pickle ends at byte {off} before its STOP opcode",
+                    self.inp.name()
+                )));
+            };
+            match op {
+                0x80 => {
+                    // PROTO
+                    let v = self.inp.take(1, "PROTO")?[0];
+                    if v > 5 {
+                        return Err(malformed(
+                            off,
+                            format!("pickle protocol {v} is not supported"),
+                        ));
+                    }
+                }
+                0x95 => {
+                    // FRAME: a length hint only.
+                    self.inp.take(8, "FRAME")?;
+                }
+                b'.' => return self.pop(),
+                b'(' => self.marks.push(self.stack.len()),
+                b'}' => self.stack.push(V::Dict(Vec::new())),
+                b']' => self.stack.push(V::List(Vec::new())),
+                b')' => self.stack.push(V::Tuple),
+                0x8f => self.stack.push(V::List(Vec::new())), // EMPTY_SET
+                b'N' => self.stack.push(V::None),
+                0x88 => self.stack.push(V::Bool(true)),
+                0x89 => self.stack.push(V::Bool(false)),
+                b'K' => {
+                    let v = self.inp.take(1, "BININT1")?[0];
+                    self.stack.push(V::Int(v as i64));
+                }
+                b'M' => {
+                    let b = self.inp.take(2, "BININT2")?;
+                    self.stack
+                        .push(V::Int(u16::from_le_bytes([b[0], b[1]]) as i64));
+                }
+                b'J' => {
+                    let b = self.inp.take(4, "BININT")?;
+                    self.stack
+                        .push(V::Int(i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64));
+                }
+                0x8a | 0x8b => {
+                    // LONG1 / LONG4: little-endian two's complement.
+                    let n = if op == 0x8a {
+                        self.inp.take(1, "LONG1")?[0] as usize
+                    } else {
+                        let b = self.inp.take(4, "LONG4")?;
+                        u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+                    };
+                    let b = self.inp.take(n, "LONG")?;
+                    if n == 0 {
+                        self.stack.push(V::Int(0));
+                    } else if n <= 8 {
+                        let neg = b[n - 1] & 0x80 != 0;
+                        let mut buf = if neg { [0xffu8; 8] } else { [0u8; 8] };
+                        buf[..n].copy_from_slice(b);
+                        self.stack.push(V::Int(i64::from_le_bytes(buf)));
+                    } else {
+                        self.stack.push(V::BigInt);
+                    }
+                }
+                b'G' => {
+                    let b = self.inp.take(8, "BINFLOAT")?;
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(b);
+                    let _ = f64::from_be_bytes(a);
+                    self.stack.push(V::Float);
+                }
+                0x8c | b'X' | 0x8d | b'U' | b'T' => {
+                    // SHORT_BINUNICODE, BINUNICODE, BINUNICODE8, SHORT_BINSTRING, BINSTRING
+                    let n = match op {
+                        0x8c | b'U' => self.inp.take(1, "string length")?[0] as usize,
+                        0x8d => {
+                            let b = self.inp.take(8, "string length")?;
+                            let mut a = [0u8; 8];
+                            a.copy_from_slice(b);
+                            u64::from_le_bytes(a) as usize
+                        }
+                        _ => {
+                            let b = self.inp.take(4, "string length")?;
+                            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+                        }
+                    };
+                    if n > 1 << 30 {
+                        return Err(malformed(off, format!("string of {n} bytes")));
+                    }
+                    let bytes = self.inp.take(n, "string")?.to_vec();
+                    let v = self.string(&bytes)?;
+                    self.stack.push(v);
+                }
+                b'C' | b'B' | 0x8e => {
+                    // SHORT_BINBYTES, BINBYTES, BINBYTES8
+                    let n = match op {
+                        b'C' => self.inp.take(1, "bytes length")?[0] as usize,
+                        b'B' => {
+                            let b = self.inp.take(4, "bytes length")?;
+                            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+                        }
+                        _ => {
+                            let b = self.inp.take(8, "bytes length")?;
+                            let mut a = [0u8; 8];
+                            a.copy_from_slice(b);
+                            u64::from_le_bytes(a) as usize
+                        }
+                    };
+                    if n > 1 << 30 {
+                        return Err(malformed(off, format!("bytes object of {n} bytes")));
+                    }
+                    self.inp.take(n, "bytes")?;
+                    self.stack.push(V::Bytes);
+                }
+                0x94 => {
+                    // MEMOIZE
+                    let i = self.next_memo;
+                    self.next_memo += 1;
+                    self.memo_put(i)?;
+                }
+                b'q' => {
+                    let i = self.inp.take(1, "BINPUT")?[0] as u32;
+                    self.memo_put(i)?;
+                }
+                b'r' => {
+                    let b = self.inp.take(4, "LONG_BINPUT")?;
+                    let i = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    self.memo_put(i)?;
+                }
+                b'h' | b'j' => {
+                    let i = if op == b'h' {
+                        self.inp.take(1, "BINGET")?[0] as u32
+                    } else {
+                        let b = self.inp.take(4, "LONG_BINGET")?;
+                        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                    };
+                    let v = match self.memo.get(i as usize) {
+                        Some(&k) if k != NO_VALUE => self.memo_vals[k as usize].clone(),
+                        _ => V::Shared,
+                    };
+                    self.stack.push(v);
+                }
+                b's' => {
+                    let m = self.stack.len().saturating_sub(2);
+                    if self.stack.len() < 3 {
+                        return Err(malformed(off, "SETITEM with too few items"));
+                    }
+                    self.set_items_from(m)?;
+                }
+                b'u' => {
+                    let m = self
+                        .marks
+                        .pop()
+                        .ok_or_else(|| malformed(off, "no MARK on the pickle stack"))?;
+                    self.set_items_from(m)?;
+                }
+                b'a' => {
+                    let v = self.pop()?;
+                    self.append(vec![v])?;
+                }
+                b'e' | 0x90 => {
+                    // APPENDS, ADDITEMS
+                    let items = self.pop_mark()?;
+                    self.append(items)?;
+                }
+                b't' => {
+                    self.pop_mark()?;
+                    self.stack.push(V::Tuple);
+                }
+                0x91 => {
+                    // FROZENSET
+                    let items = self.pop_mark()?;
+                    self.stack.push(V::List(items));
+                }
+                0x85..=0x87 => {
+                    let n = (op - 0x84) as usize;
+                    if self.stack.len() < n {
+                        return Err(malformed(off, "TUPLE with too few items"));
+                    }
+                    self.stack.truncate(self.stack.len() - n);
+                    self.stack.push(V::Tuple);
+                }
+                b'0' => {
+                    self.pop()?;
+                }
+                b'1' => {
+                    self.pop_mark()?;
+                }
+                b'2' => {
+                    let v = self.top()?.clone();
+                    self.stack.push(v);
+                }
+                b'c' => {
+                    // GLOBAL module\nname\n
+                    for _ in 0..2 {
+                        loop {
+                            let Some(b) = self.inp.next_byte()? else {
+                                return Err(TraceError::Truncated("inside GLOBAL".into()));
+                            };
+                            if b == b'\n' {
+                                break;
+                            }
+                        }
+                    }
+                    self.stack.push(V::Opaque);
+                }
+                0x93 => {
+                    // STACK_GLOBAL
+                    self.pop()?;
+                    self.pop()?;
+                    self.stack.push(V::Opaque);
+                }
+                b'R' | 0x81 => {
+                    // REDUCE, NEWOBJ
+                    self.pop()?;
+                    self.pop()?;
+                    self.stack.push(V::Opaque);
+                }
+                0x92 => {
+                    // NEWOBJ_EX
+                    self.pop()?;
+                    self.pop()?;
+                    self.pop()?;
+                    self.stack.push(V::Opaque);
+                }
+                b'b' => {
+                    // BUILD: state applied to the object below.
+                    self.pop()?;
+                }
+                b'Q' => {
+                    // BINPERSID
+                    self.pop()?;
+                    self.stack.push(V::Opaque);
+                }
+                _ => {
+                    return Err(malformed(
+                        off,
+                        format!(
+                        "unsupported pickle opcode {op:#04x} (is this a PyTorch memory snapshot?)"
+                    ),
+                    ))
+                }
+            }
+        }
+    }
+
+    fn dict_get<'v>(&self, items: &'v [(V, V)], tag: Tag) -> Option<&'v V> {
+        items
+            .iter()
+            .find(|(k, _)| self.tag(k) == tag)
+            .map(|(_, v)| v)
+    }
+}
+
+/// Reads a snapshot pickle and returns the events of device `device`.
+pub fn read_snapshot(inp: &mut Input, device: u32) -> Result<Trace, TraceError> {
+    let name = inp.name().to_string();
+    let mut vm = Vm {
+        inp,
+        stack: Vec::with_capacity(64),
+        marks: Vec::with_capacity(16),
+        memo: Vec::new(),
+        memo_vals: Vec::new(),
+        next_memo: 0,
+        scratch: Vec::new(),
+        strings: Vec::new(),
+        tags: Vec::new(),
+        events: Vec::new(),
+        skipped: 0,
+    };
+    let top = vm.run()?;
+    let V::Dict(items) = &top else {
+        return Err(TraceError::UnknownFormat(format!(
+            "{name}: the pickle holds no allocation history (an old snapshot without \
+             device_traces? record with torch.cuda.memory._record_memory_history())"
+        )));
+    };
+    let mut meta = TraceMeta {
+        format: "pytorch-snapshot".into(),
+        device,
+        ..TraceMeta::default()
+    };
+    if let Some(V::Dict(settings)) = vm.dict_get(items, Tag::AllocatorSettings) {
+        if let Some(V::Bool(b)) = vm.dict_get(settings, Tag::ExpandableSegments) {
+            meta.expandable_segments = Some(*b);
+        }
+        if let Some(V::Str(s)) = vm.dict_get(settings, Tag::AllocConf) {
+            meta.alloc_conf = Some(vm.strings[*s as usize].to_string());
+        }
+    }
+    let per_device: Vec<Option<u32>> = match vm.dict_get(items, Tag::DeviceTraces) {
+        Some(V::List(l)) => l
+            .iter()
+            .map(|v| match v {
+                V::Events(id) => Some(*id),
+                _ => None,
+            })
+            .collect(),
+        _ => {
+            return Err(TraceError::UnknownFormat(format!(
+                "{name}: the snapshot has no device_traces: record with \
+                 torch.cuda.memory._record_memory_history() before taking it"
+            )))
+        }
+    };
+    let events = match per_device.get(device as usize) {
+        Some(Some(id)) => std::mem::take(&mut vm.events[*id as usize]),
+        Some(None) => Vec::new(),
+        None => {
+            return Err(TraceError::Inconsistent {
+                index: 0,
+                what: format!(
+                    "the snapshot has traces for {} device(s); device {device} is not one of them",
+                    per_device.len()
+                ),
+            })
+        }
+    };
+    Ok(Trace { events, meta })
+}
