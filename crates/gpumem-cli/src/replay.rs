@@ -32,6 +32,22 @@ pub struct ReplayArgs {
     /// Which device's events to replay, for multi-GPU snapshots.
     #[arg(long, default_value_t = 0)]
     device_index: u32,
+    /// Where to replay: the simulated device, or the real GPU (allocating and writing every
+    /// block, and checking the physical memory the driver handed out).
+    #[arg(long, value_enum, default_value_t = Target::Sim)]
+    device: Target,
+    /// Write a self-contained HTML timeline of bytes held vs live for each policy.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+/// Where a replay runs.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// The simulated device (no GPU needed).
+    Sim,
+    /// The first CUDA device.
+    Cuda,
 }
 
 #[derive(Args)]
@@ -84,6 +100,9 @@ fn load(path: &PathBuf, device: u32, quiet: bool) -> Result<trace::Trace, String
 
 pub fn run(a: ReplayArgs) -> Result<(), String> {
     let trace = load(&a.trace, a.device_index, a.json)?;
+    if a.device == Target::Cuda {
+        return gpumem_cuda::replay::run_cli(&trace, &a.policies, &a.conf, a.json);
+    }
     let policies = if a.policies.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
@@ -91,6 +110,7 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
     };
     let mut opts = ReplayOptions {
         config: Config::parse(&a.conf).map_err(|e| e.to_string())?,
+        timeline_points: if a.plot.is_some() { 2000 } else { 0 },
         ..ReplayOptions::default()
     };
     if let Some(m) = a.device_memory {
@@ -129,6 +149,13 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         match r {
             Ok(r) => ok.push(r),
             Err(e) => return Err(format!("replay under {} failed: {e}", p.name())),
+        }
+    }
+    if let Some(path) = &a.plot {
+        let html = gpumem_core::report::plot::timeline_html(&a.trace.display().to_string(), &ok)?;
+        std::fs::write(path, html).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        if !a.json {
+            eprintln!("timeline written to {}", path.display());
         }
     }
     if a.json {

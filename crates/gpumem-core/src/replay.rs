@@ -68,10 +68,26 @@ pub struct PolicyResult {
     pub replay_seconds: f64,
     /// Host time per allocator operation (alloc or free), nanoseconds.
     pub ns_per_op: f64,
+    /// Samples of (event index, trace time µs, bytes held, bytes live), when asked for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub timeline: Vec<TimelinePoint>,
     /// Comparison with the recording allocator (native simulation of a trace with segment
     /// events only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fidelity: Option<Fidelity>,
+}
+
+/// One sample of a replay's timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimelinePoint {
+    /// Index of the event in the trace.
+    pub event: usize,
+    /// Trace time (µs).
+    pub time_us: u64,
+    /// Bytes held from the device after the event.
+    pub held: u64,
+    /// Bytes of live requested tensors after the event.
+    pub live: u64,
 }
 
 /// Options of a replay.
@@ -83,6 +99,8 @@ pub struct ReplayOptions {
     pub device_total: u64,
     /// Check every policy invariant this often (events), for tests; 0: never.
     pub check_every: usize,
+    /// Record about this many (time, held, live) samples for a timeline plot; 0: none.
+    pub timeline_points: usize,
 }
 
 impl Default for ReplayOptions {
@@ -91,6 +109,7 @@ impl Default for ReplayOptions {
             config: Config::default(),
             device_total: H200_TOTAL_BYTES,
             check_every: 0,
+            timeline_points: 0,
         }
     }
 }
@@ -203,6 +222,11 @@ pub fn replay_on(
     let mut blocks: FxHashMap<(u64, u64), Allocation> = FxHashMap::default();
     let mut waiting: FxHashMap<(u64, u64), Vec<EventHandle>> = FxHashMap::default();
     let (mut ooms, mut allocs, mut ops) = (0u64, 0u64, 0u64);
+    let mut live_now = 0u64;
+    let mut timeline = Vec::new();
+    let sample_every = n
+        .checked_div(opts.timeline_points)
+        .map_or(usize::MAX, |k| k.max(1));
     let start = Instant::now();
     let mut reported = 0usize;
     for (i, e) in trace.events.iter().enumerate() {
@@ -215,6 +239,7 @@ pub fn replay_on(
                 match alloc.allocate(e.size, e.stream) {
                     Ok(a) => {
                         allocs += 1;
+                        live_now += e.size;
                         if let Some(t) = touch {
                             t(a.ptr, e.size);
                         }
@@ -250,7 +275,9 @@ pub fn replay_on(
                 }
             }
             Kind::FreeCompleted => {
-                blocks.remove(&(e.stream, e.addr));
+                if blocks.remove(&(e.stream, e.addr)).is_some() {
+                    live_now -= e.size;
+                }
                 if let (Some(evs), Some(ctl)) =
                     (waiting.remove(&(e.stream, e.addr)), events.as_ref())
                 {
@@ -260,6 +287,14 @@ pub fn replay_on(
                 }
             }
             _ => {}
+        }
+        if i % sample_every == 0 || (sample_every != usize::MAX && i + 1 == n) {
+            timeline.push(TimelinePoint {
+                event: i,
+                time_us: e.time_us,
+                held: alloc.held_bytes(),
+                live: live_now,
+            });
         }
         if opts.check_every > 0 && i % opts.check_every == 0 {
             alloc
@@ -338,6 +373,7 @@ pub fn replay_on(
         } else {
             elapsed * 1e9 / ops as f64
         },
+        timeline,
         fidelity,
     })
 }

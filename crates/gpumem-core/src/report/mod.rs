@@ -1,3 +1,4 @@
-//! Human-readable reports: the replay comparison table.
+//! Human-readable reports: the replay comparison table, timeline plots.
 
+pub mod plot;
 pub mod replay_table;

@@ -1,0 +1,1 @@
+//! GPU memory monitor (issue 6). Work in progress.

@@ -1,0 +1,1 @@
+//! Memory-hierarchy probe and roofline arithmetic (issue 7). Work in progress.
