@@ -1,4 +1,7 @@
-//! Human-readable reports: the replay comparison table, timeline plots.
+//! Human-readable and machine-readable reports: the replay comparison table, timeline plots,
+//! memory summaries, snapshots in PyTorch's format.
 
 pub mod plot;
 pub mod replay_table;
+pub mod snapshot;
+pub mod summary;
