@@ -58,7 +58,8 @@ pub struct OomReport {
     pub allocated: u64,
     /// Held but not allocated (cached, or lost to fragmentation).
     pub cached: u64,
-    /// Largest single free block the allocator holds.
+    /// Largest free block the allocator holds for the requesting stream (blocks cached for
+    /// other streams cannot serve it).
     pub largest_free_block: u64,
     /// Times the allocator released its cache and retried before giving up.
     pub retries: u64,

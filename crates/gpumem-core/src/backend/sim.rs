@@ -40,6 +40,9 @@ pub struct SimConfig {
     /// addresses the real driver returned, so that best fit breaks ties between equal blocks
     /// (by address) as it did on the GPU.
     pub segment_addresses: std::collections::VecDeque<(u64, DevPtr)>,
+    /// Keep a copy of the page mappings that [`SimControl::handle_at`] can query (for tests
+    /// that audit which physical page backs which address).
+    pub audit_mappings: bool,
 }
 
 impl Default for SimConfig {
@@ -52,6 +55,7 @@ impl Default for SimConfig {
             page_bytes: DEFAULT_PAGE,
             event_mode: EventMode::Immediate,
             segment_addresses: Default::default(),
+            audit_mappings: false,
         }
     }
 }
@@ -60,14 +64,18 @@ impl Default for SimConfig {
 struct EventState {
     done: FxHashMap<u64, bool>,
     recorded: Vec<(EventHandle, Stream)>,
+    waits: Vec<(Stream, EventHandle)>,
     next: u64,
 }
+
+type MappingMirror = Arc<Mutex<BTreeMap<DevPtr, (u64, PhysHandle)>>>;
 
 /// A handle to the simulated device's events, kept by whoever drives the simulation.
 #[derive(Clone)]
 pub struct SimControl {
     events: Arc<Mutex<EventState>>,
     mode: EventMode,
+    mirror: Option<MappingMirror>,
 }
 
 impl SimControl {
@@ -83,6 +91,11 @@ impl SimControl {
         std::mem::take(&mut self.events.lock().recorded)
     }
 
+    /// Stream waits (`stream` waits for `event`) since the last call, oldest first.
+    pub fn take_waits(&self) -> Vec<(Stream, EventHandle)> {
+        std::mem::take(&mut self.events.lock().waits)
+    }
+
     /// Events recorded and not yet completed.
     pub fn pending(&self) -> usize {
         self.events.lock().done.values().filter(|d| !**d).count()
@@ -91,6 +104,13 @@ impl SimControl {
     /// The event mode.
     pub fn mode(&self) -> EventMode {
         self.mode
+    }
+
+    /// The physical allocation mapped at `va`, when the device audits mappings.
+    pub fn handle_at(&self, va: DevPtr) -> Option<PhysHandle> {
+        let m = self.mirror.as_ref()?.lock();
+        let (&start, &(len, h)) = m.range(..=va).next_back()?;
+        (va < start + len).then_some(h)
     }
 }
 
@@ -104,6 +124,7 @@ pub struct SimBackend {
     handles: FxHashMap<u64, (u64, u32)>,
     next_handle: u64,
     mappings: BTreeMap<DevPtr, (u64, PhysHandle)>,
+    mirror: Option<MappingMirror>,
     events: Arc<Mutex<EventState>>,
 }
 
@@ -111,9 +132,13 @@ impl SimBackend {
     /// A simulated device and the control handle of its events.
     pub fn new(cfg: SimConfig) -> (Self, SimControl) {
         let events = Arc::new(Mutex::new(EventState::default()));
+        let mirror = cfg
+            .audit_mappings
+            .then(|| Arc::new(Mutex::new(BTreeMap::new())));
         let ctl = SimControl {
             events: events.clone(),
             mode: cfg.event_mode,
+            mirror: mirror.clone(),
         };
         (
             Self {
@@ -127,6 +152,7 @@ impl SimBackend {
                 handles: FxHashMap::default(),
                 next_handle: 1,
                 mappings: BTreeMap::new(),
+                mirror,
                 events,
             },
             ctl,
@@ -341,6 +367,9 @@ impl Backend for SimBackend {
             ));
         }
         self.mappings.insert(va, (bytes, handle));
+        if let Some(m) = &self.mirror {
+            m.lock().insert(va, (bytes, handle));
+        }
         self.handles.insert(handle.0, (entry.0, entry.1 + 1));
         Ok(())
     }
@@ -368,6 +397,9 @@ impl Backend for SimBackend {
         }
         for s in found {
             let (_, h) = self.mappings.remove(&s).expect("found above");
+            if let Some(m) = &self.mirror {
+                m.lock().remove(&s);
+            }
             if let Some(e) = self.handles.get_mut(&h.0) {
                 e.1 -= 1;
             }
@@ -430,10 +462,12 @@ impl Backend for SimBackend {
 
     fn stream_wait_event(
         &mut self,
-        _stream: Stream,
+        stream: Stream,
         event: EventHandle,
     ) -> Result<(), BackendError> {
-        if self.events.lock().done.contains_key(&event.0) {
+        let mut ev = self.events.lock();
+        if ev.done.contains_key(&event.0) {
+            ev.waits.push((stream, event));
             Ok(())
         } else {
             Err(BackendError::new(

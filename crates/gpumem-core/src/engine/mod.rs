@@ -165,7 +165,7 @@ impl Allocator {
             let result = {
                 let mut st = shard.state.lock();
                 if !st.pending.is_empty() {
-                    self.process_events(&mut st, stream, false)?;
+                    self.poll_events(&mut st, stream, false)?;
                 }
                 let r = st.policy.allocate(size, &self.device);
                 if retries > 0 {
@@ -204,11 +204,11 @@ impl Allocator {
 
     fn oom_report(&self, size: u64, stream: Stream, retries: u64) -> OomReport {
         let stats = self.memory_stats();
+        // Only the requesting stream's free blocks could have served it.
         let largest = self
             .shards
-            .iter()
+            .get(stream)
             .map(|(_, s)| s.state.lock().policy.largest_free())
-            .max()
             .unwrap_or(0);
         let mut d = self.device.lock();
         let (free, total) = d
@@ -233,7 +233,7 @@ impl Allocator {
 
     /// Checks the events of freed blocks; releases those whose events completed (all of them
     /// when `wait`, waiting on the host).
-    fn process_events(
+    fn poll_events(
         &self,
         st: &mut ShardState,
         stream: Stream,
@@ -375,12 +375,24 @@ impl Allocator {
         Ok(())
     }
 
+    /// Releases the freed blocks whose stream events have completed (without waiting for the
+    /// others). Allocation does this on its own stream; this does it for all streams.
+    pub fn process_events(&self) -> Result<(), AllocError> {
+        for (_, sh) in self.shards.iter() {
+            let mut st = sh.state.lock();
+            if !st.pending.is_empty() {
+                self.poll_events(&mut st, sh.stream, false)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Waits for every outstanding event and releases those blocks.
     pub fn synchronize_events(&self) -> Result<(), AllocError> {
         for (_, sh) in self.shards.iter() {
             let mut st = sh.state.lock();
             if !st.pending.is_empty() {
-                self.process_events(&mut st, sh.stream, true)?;
+                self.poll_events(&mut st, sh.stream, true)?;
             }
         }
         Ok(())

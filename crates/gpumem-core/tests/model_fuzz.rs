@@ -1,0 +1,257 @@
+//! Drives every policy with long random sequences of allocations, frees, cross-stream uses,
+//! event completions and cache releases, and checks each step against a simple model:
+//! no two live blocks overlap, a block freed with pending stream uses is not handed out again
+//! before its events complete, the byte statistics equal the model's sums exactly, the bytes
+//! held equal the device's, and (every few steps) the policy's structure holds (blocks tile
+//! their segments, no two free neighbours are left unmerged).
+//!
+//! GPUMEM_FUZZ_OPS sets the total number of operations (default 2,000,000 across all policies).
+
+use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
+use gpumem_core::{AllocError, Allocation, Allocator, Config, PolicyKind};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as PtConfig, TestRunner};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Alloc { size: u64, stream: u8 },
+    Free { pick: usize },
+    UseOnStream { pick: usize, stream: u8 },
+    CompleteEvents { count: usize },
+    EmptyCache,
+}
+
+fn size_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        8 => 1u64..=4096,
+        6 => 4097u64..=(1 << 20),
+        4 => (1u64 << 20)..=(24 << 20),
+        1 => (24u64 << 20)..=(160 << 20),
+        // Exact sizes that repeat, as in training loops.
+        3 => prop::sample::select(vec![3072u64, 9216, 2 << 20, 9_437_184, 4_718_592]),
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (size_strategy(), 0u8..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        8 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        2 => (any::<usize>(), 0u8..3).prop_map(|(pick, stream)| Op::UseOnStream { pick, stream }),
+        2 => (1usize..6).prop_map(|count| Op::CompleteEvents { count }),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+const STREAMS: [u64; 3] = [0, 0x7f00_dead_0000, 0x7f00_beef_0000];
+
+struct Live {
+    a: Allocation,
+    requested: u64,
+    used_on: Vec<u64>,
+}
+
+struct Model {
+    live: Vec<Live>,
+    /// Address ranges freed but waiting for events: (start, end, events).
+    quarantine: Vec<(u64, u64, Vec<gpumem_core::backend::EventHandle>)>,
+}
+
+fn overlaps(map: &BTreeMap<u64, u64>, start: u64, end: u64) -> Option<(u64, u64)> {
+    if let Some((&s, &e)) = map.range(..end).next_back() {
+        if e > start {
+            return Some((s, e));
+        }
+    }
+    None
+}
+
+fn run_sequence(policy: PolicyKind, ops: &[Op]) -> Result<(), TestCaseError> {
+    let (sim, ctl): (SimBackend, SimControl) = SimBackend::new(SimConfig {
+        // A small device, so that out-of-memory and cache release are exercised too.
+        total_bytes: 1 << 30,
+        event_mode: EventMode::Manual,
+        ..SimConfig::default()
+    });
+    let cfg = Config::parse(&format!("policy:{}", policy.name())).unwrap();
+    let alloc = Allocator::new(Box::new(sim), cfg).unwrap();
+    let mut m = Model {
+        live: Vec::new(),
+        quarantine: Vec::new(),
+    };
+    let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut retries = 0;
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            Op::Alloc { size, stream } => {
+                let s = STREAMS[*stream as usize];
+                match alloc.allocate(*size, s) {
+                    Ok(a) => {
+                        prop_assert!(a.size >= *size, "block smaller than the request");
+                        let r = alloc.memory_stats().num_alloc_retries;
+                        if r > retries {
+                            // This request found no room at first: the allocator waited for
+                            // every event and released its cache (as PyTorch does), so nothing
+                            // is pending any more.
+                            retries = r;
+                            m.quarantine.clear();
+                        }
+                        let (start, end) = (a.ptr, a.ptr + a.size);
+                        if let Some((os, oe)) = overlaps(&ranges, start, end) {
+                            return Err(TestCaseError::fail(format!(
+                                "{policy:?} step {step}: new block {start:#x}..{end:#x} overlaps live {os:#x}..{oe:#x}"
+                            )));
+                        }
+                        for (qs, qe, _) in &m.quarantine {
+                            prop_assert!(
+                                end <= *qs || start >= *qe,
+                                "{:?} step {}: block {:#x} reuses memory freed with pending stream uses",
+                                policy,
+                                step,
+                                start
+                            );
+                        }
+                        ranges.insert(start, end);
+                        m.live.push(Live {
+                            a,
+                            requested: *size,
+                            used_on: Vec::new(),
+                        });
+                    }
+                    Err(AllocError::OutOfMemory(r)) => {
+                        // Segment-based policies may fail through fragmentation (that is what
+                        // they are). The stitched policy maps pages wherever they are needed:
+                        // it may fail only when the pages its live blocks touch fill the device.
+                        let live: u64 = m.live.iter().map(|l| l.a.size).sum();
+                        let touch_bound = live + size + 4 * (2 << 20) * (m.live.len() as u64 + 1);
+                        prop_assert!(
+                            policy != PolicyKind::Stitched || touch_bound >= 1 << 30,
+                            "{:?} step {}: OOM with only {} bytes live: {}",
+                            policy,
+                            step,
+                            live,
+                            r
+                        );
+                        retries = alloc.memory_stats().num_alloc_retries;
+                        m.quarantine.clear();
+                    }
+                    Err(e) => {
+                        return Err(TestCaseError::fail(format!("{policy:?} step {step}: {e}")))
+                    }
+                }
+            }
+            Op::Free { pick } => {
+                if m.live.is_empty() {
+                    continue;
+                }
+                let l = m.live.swap_remove(pick % m.live.len());
+                ranges.remove(&l.a.ptr);
+                ctl.take_recorded();
+                alloc
+                    .free_allocation(&l.a)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let evs: Vec<_> = ctl.take_recorded().into_iter().map(|(h, _)| h).collect();
+                if !l.used_on.is_empty() {
+                    prop_assert_eq!(evs.len(), l.used_on.len(), "one event per stream used");
+                    m.quarantine.push((l.a.ptr, l.a.ptr + l.a.size, evs));
+                }
+                // A second free of the same pointer is an error, never a crash.
+                prop_assert!(alloc.free(l.a.ptr).is_err());
+            }
+            Op::UseOnStream { pick, stream } => {
+                if m.live.is_empty() {
+                    continue;
+                }
+                let n = m.live.len();
+                let l = &mut m.live[pick % n];
+                let s = STREAMS[*stream as usize];
+                alloc
+                    .record_stream(l.a.ptr, s)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                if s != l.a.stream && !l.used_on.contains(&s) {
+                    l.used_on.push(s);
+                }
+            }
+            Op::CompleteEvents { count } => {
+                for (_, _, evs) in m.quarantine.drain(..(*count).min(m.quarantine.len())) {
+                    for e in evs {
+                        ctl.complete(e);
+                    }
+                }
+                alloc
+                    .process_events()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::EmptyCache => {
+                // empty_cache waits for every event (the host synchronizes).
+                alloc
+                    .empty_cache()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                m.quarantine.clear();
+            }
+        }
+        // Exact statistics against the model.
+        let st = alloc.memory_stats();
+        if st.num_alloc_retries > retries {
+            // A request found no room, so the allocator waited for every event and released
+            // its cache before retrying (as PyTorch does): nothing is pending any more.
+            retries = st.num_alloc_retries;
+            m.quarantine.clear();
+        }
+        let allocated: u64 = m.live.iter().map(|l| l.a.size).sum();
+        prop_assert_eq!(
+            st.allocated_bytes.all.current as u64,
+            allocated,
+            "allocated_bytes"
+        );
+        prop_assert_eq!(
+            st.allocation.all.current as usize,
+            m.live.len(),
+            "allocation count"
+        );
+        let pending: u64 = m.quarantine.iter().map(|q| q.1 - q.0).sum();
+        prop_assert_eq!(
+            st.active_bytes.all.current as u64,
+            allocated + pending,
+            "active_bytes"
+        );
+        let requested: u64 = m.live.iter().map(|l| l.requested).sum();
+        prop_assert!(st.requested_bytes.all.current as u64 >= requested);
+        prop_assert_eq!(
+            st.reserved_bytes.all.current as u64,
+            alloc.held_bytes(),
+            "reserved = held"
+        );
+        prop_assert!(alloc.held_bytes() >= allocated, "held below allocated");
+        if step % 32 == 0 {
+            alloc
+                .check()
+                .map_err(|e| TestCaseError::fail(format!("{policy:?} step {step}: {e}")))?;
+        }
+    }
+    alloc.check().map_err(TestCaseError::fail)?;
+    Ok(())
+}
+
+#[test]
+fn random_operations_keep_every_invariant() {
+    let total: usize = std::env::var("GPUMEM_FUZZ_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000_000);
+    let per_case = 4000;
+    let cases = (total / per_case / PolicyKind::ALL.len()).max(1) as u32;
+    for policy in PolicyKind::ALL {
+        let mut runner = TestRunner::new(PtConfig {
+            cases,
+            failure_persistence: None,
+            ..PtConfig::default()
+        });
+        let r = runner.run(&prop::collection::vec(op_strategy(), per_case), |ops| {
+            run_sequence(policy, &ops)
+        });
+        if let Err(e) = r {
+            panic!("{policy:?}: {e}");
+        }
+    }
+}

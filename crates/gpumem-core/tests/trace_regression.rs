@@ -1,0 +1,100 @@
+//! Replays the five real PyTorch traces of ANCHORS.md §1 (bundled in traces/anchors/, converted
+//! from shared/traces/ with `gpumem convert`) and checks each policy's numbers:
+//! - stitched: peak held ÷ peak live ≤ 1.02 on every trace, and no driver call in the last
+//!   quarter of the fixed-shape training traces (steady state);
+//! - native: the same segment allocations as the recorded allocator, peak held within 0.5 %;
+//! - expandable: within 2 % of the expandable-segments column of ANCHORS.md §1.
+
+use gpumem_core::policy::PolicyKind;
+use gpumem_core::replay::{replay, ReplayOptions};
+use gpumem_core::trace;
+use std::path::PathBuf;
+
+fn load(name: &str) -> trace::Trace {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../traces/anchors")
+        .join(format!("{name}.gmt.gz"));
+    trace::load(&p, 0, None).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// (trace, expandable ratio measured on the H200 in ANCHORS.md §1, fixed-shape training?)
+const TRACES: [(&str, f64, bool); 5] = [
+    ("gpt2_train", 1.097, true),
+    ("gpt2_varlen", 1.071, false),
+    ("resnet50_train", 1.007, true),
+    ("llama_decode", 1.018, false),
+    ("prefetch_mlp", 1.072, false),
+];
+
+fn check_trace(name: &str, expandable_anchor: f64, fixed_shapes: bool) {
+    let t = load(name);
+    let opts = ReplayOptions::default();
+    let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+    assert!(
+        s.ratio <= 1.02,
+        "{name}: stitched ratio {:.4} > 1.02",
+        s.ratio
+    );
+    assert_eq!(s.ooms, 0);
+    if fixed_shapes {
+        assert_eq!(
+            s.calls_by_quarter[3], 0,
+            "{name}: stitched makes driver calls in the steady state: {:?}",
+            s.calls_by_quarter
+        );
+    }
+    let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
+    let f = n.fidelity.expect("traces carry segment events");
+    assert!(
+        f.segments_match,
+        "{name}: native segments differ at {:?}",
+        f.first_mismatch
+    );
+    assert!(
+        f.peak_held_error.abs() <= 0.005,
+        "{name}: native peak off by {}",
+        f.peak_held_error
+    );
+    let e = replay(&t, PolicyKind::Expandable, &opts, None).unwrap();
+    let rel = (e.ratio - expandable_anchor).abs() / expandable_anchor;
+    assert!(
+        rel <= 0.02,
+        "{name}: expandable ratio {:.4} vs anchor {expandable_anchor}",
+        e.ratio
+    );
+    // The point of the stitched policy: it beats every anchor allocator on memory.
+    assert!(
+        s.ratio < n.ratio && s.ratio < e.ratio,
+        "{name}: stitched does not win"
+    );
+}
+
+#[test]
+fn gpt2_train() {
+    let (n, e, f) = TRACES[0];
+    check_trace(n, e, f);
+}
+
+#[test]
+fn gpt2_varlen() {
+    let (n, e, f) = TRACES[1];
+    check_trace(n, e, f);
+}
+
+#[test]
+fn resnet50_train() {
+    let (n, e, f) = TRACES[2];
+    check_trace(n, e, f);
+}
+
+#[test]
+fn llama_decode() {
+    let (n, e, f) = TRACES[3];
+    check_trace(n, e, f);
+}
+
+#[test]
+fn prefetch_mlp() {
+    let (n, e, f) = TRACES[4];
+    check_trace(n, e, f);
+}

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Record a PyTorch program's GPU allocation history as a snapshot that `gpumem replay` reads.
+
+Two ways to use it:
+
+    # one of the built-in workloads (pure torch, nothing downloaded)
+    python3 scripts/record_trace.py --workload gpt_varlen --out my_trace.pickle.gz
+
+    # your own script, run as __main__ with its arguments, recorded from start to end
+    python3 scripts/record_trace.py --out my_trace.pickle.gz -- train.py --epochs 1
+
+The output is `torch.cuda.memory._snapshot()` pickled (gzipped when the name ends in .gz),
+recorded with `_record_memory_history(enabled="all")` under PyTorch's native caching allocator,
+so it also carries that allocator's own segment events (which gpumem's simulation of it is
+checked against). Stacks are left out unless --stacks is given (they make files much larger).
+Then: `gpumem replay my_trace.pickle.gz`.
+"""
+import argparse
+import gzip
+import os
+import pickle
+import random
+import runpy
+import sys
+import time
+
+import torch
+
+
+def gpt_varlen(steps: int, dev: torch.device):
+    """A small GPT-style decoder trained with a random sequence length each step, with input
+    batches prefetched on a side stream (so the trace has two streams and record_stream)."""
+    vocab, d, layers, heads = 8192, 512, 6, 8
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(d)
+            self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
+            self.ln2 = torch.nn.LayerNorm(d)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+        def forward(self, x, mask):
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, d)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+            self.head = torch.nn.Linear(d, vocab, bias=False)
+
+        def forward(self, idx):
+            t = idx.shape[1]
+            mask = torch.triu(torch.full((t, t), float("-inf"), device=idx.device), diagonal=1)
+            x = self.emb(idx)
+            for b in self.blocks:
+                x = b(x, mask)
+            return self.head(x)
+
+    model = GPT().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+
+    def load():
+        x = torch.randint(0, vocab, (8, random.randint(64, 512))).pin_memory()
+        with torch.cuda.stream(side):
+            return x.to(dev, non_blocking=True)
+
+    nxt = load()
+    for _ in range(steps):
+        main.wait_stream(side)
+        x = nxt
+        x.record_stream(main)
+        nxt = load()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x, logits, loss
+        yield
+
+
+def mlp(steps: int, dev: torch.device):
+    """A plain MLP trained with fixed shapes: the simplest steady-state training loop."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU()) for _ in range(6)]).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(steps):
+        x = torch.randn(1024, 2048, device=dev)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+WORKLOADS = {"gpt_varlen": gpt_varlen, "mlp": mlp}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output file (.pickle or .pickle.gz)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), help="built-in workload to record")
+    ap.add_argument("--steps", type=int, default=12, help="steps of the built-in workload")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stacks", action="store_true", help="record Python stacks (large files)")
+    ap.add_argument("--max-entries", type=int, default=2_000_000, help="history ring-buffer size")
+    ap.add_argument("script", nargs="*", help="a script to run (after --), with its arguments")
+    a = ap.parse_args()
+    if bool(a.workload) == bool(a.script):
+        ap.error("give either --workload NAME or -- SCRIPT [ARGS...]")
+    if not torch.cuda.is_available():
+        print("record_trace: no CUDA device; recording needs a GPU", file=sys.stderr)
+        return 2
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        print(f"record_trace: note: PYTORCH_CUDA_ALLOC_CONF={os.environ['PYTORCH_CUDA_ALLOC_CONF']}", file=sys.stderr)
+    random.seed(a.seed)
+    torch.manual_seed(a.seed)
+    torch.cuda.init()
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context="all" if a.stacks else None, stacks="python",
+        max_entries=a.max_entries)
+    t0 = time.time()
+    if a.workload:
+        dev = torch.device("cuda")
+        for i, _ in enumerate(WORKLOADS[a.workload](a.steps, dev)):
+            torch.cuda.synchronize()
+            print(f"\rstep {i + 1}/{a.steps}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    else:
+        sys.argv = list(a.script)
+        try:
+            runpy.run_path(a.script[0], run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                print(f"record_trace: the script exited with {e.code}; saving what was recorded", file=sys.stderr)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    opener = gzip.open if a.out.endswith(".gz") else open
+    with opener(a.out, "wb") as f:
+        pickle.dump(snap, f)
+    n = sum(len(t) for t in snap.get("device_traces", []))
+    print(f"record_trace: {n} events in {time.time() - t0:.1f}s -> {a.out} ({os.path.getsize(a.out)} bytes)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
