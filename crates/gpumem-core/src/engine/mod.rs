@@ -323,7 +323,17 @@ impl Allocator {
 
     fn free_in(&self, shard: &Shard, ptr: DevPtr) -> Result<(), AllocError> {
         let mut st = shard.state.lock();
-        if st.policy.free_requested(ptr).is_none() {
+        let uses = if st.uses.is_empty() {
+            None
+        } else {
+            st.uses.remove(&ptr)
+        };
+        let known = match uses {
+            // Used on no other stream: reusable at once.
+            None => st.policy.free(ptr, &self.device)?.is_some(),
+            Some(_) => st.policy.free_requested(ptr).is_some(),
+        };
+        if !known {
             drop(st);
             return Err(if self.is_free_anywhere(ptr) {
                 AllocError::DoubleFree { ptr }
@@ -332,15 +342,14 @@ impl Allocator {
             });
         }
         if let Some(t) = &self.tracker {
-            t.lock().record(Action::FreeRequested, ptr, 0, shard.stream);
-        }
-        match st.uses.remove(&ptr) {
-            None => {
-                st.policy.release(ptr, &self.device)?;
-                if let Some(t) = &self.tracker {
-                    t.lock().record(Action::FreeCompleted, ptr, 0, shard.stream);
-                }
+            let mut t = t.lock();
+            t.record(Action::FreeRequested, ptr, 0, shard.stream);
+            if uses.is_none() {
+                t.record(Action::FreeCompleted, ptr, 0, shard.stream);
             }
+        }
+        match uses {
+            None => {}
             Some(streams) => {
                 let mut events = Vec::with_capacity(streams.len());
                 let mut d = self.device.lock();

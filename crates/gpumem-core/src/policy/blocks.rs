@@ -4,6 +4,7 @@
 //! blocks with this one mechanism; they differ only in where ranges come from and in their
 //! rounding and split rules.
 
+use super::free_index::FreeIndex;
 use super::{BlockInfo, BlockKind, SegmentInfo};
 use crate::stats::{MemoryStats, Pool};
 use rustc_hash::FxHashMap;
@@ -73,7 +74,7 @@ pub struct Segment {
 pub struct BlockSet {
     blocks: Vec<Block>,
     spare: Vec<u32>,
-    free: [BTreeMap<(u64, u64), u32>; 2],
+    free: [FreeIndex; 2],
     unmapped: [BTreeMap<u64, u32>; 2],
     live: FxHashMap<u64, u32>,
     segments: Vec<Segment>,
@@ -93,12 +94,20 @@ fn heap(pool: Pool) -> usize {
 
 impl BlockSet {
     /// An empty set. `track_split` enables the inactive_split statistics (PyTorch keeps them
-    /// for plain segments, not for virtual-memory ones).
-    pub fn new(track_split: bool) -> Self {
+    /// for plain segments, not for virtual-memory ones); `exact` selects the exact
+    /// (size, address) best-fit order of PyTorch rather than gpumem's O(1) segregated fit.
+    pub fn new(track_split: bool, exact: bool) -> Self {
+        let index = || {
+            if exact {
+                FreeIndex::ordered()
+            } else {
+                FreeIndex::binned()
+            }
+        };
         Self {
             blocks: Vec::new(),
             spare: Vec::new(),
-            free: [BTreeMap::new(), BTreeMap::new()],
+            free: [index(), index()],
             unmapped: [BTreeMap::new(), BTreeMap::new()],
             live: FxHashMap::default(),
             segments: Vec::new(),
@@ -144,7 +153,7 @@ impl BlockSet {
         let h = heap(self.segments[b.seg as usize].pool);
         match b.state {
             State::Free => {
-                self.free[h].insert((b.size, b.addr), id);
+                self.free[h].insert(id, b.size, b.addr);
             }
             State::Unmapped => {
                 self.unmapped[h].insert(b.addr, id);
@@ -161,7 +170,7 @@ impl BlockSet {
         let h = heap(self.segments[b.seg as usize].pool);
         match b.state {
             State::Free => {
-                self.free[h].remove(&(b.size, b.addr));
+                self.free[h].remove(id, b.size, b.addr);
             }
             State::Unmapped => {
                 self.unmapped[h].remove(&b.addr);
@@ -224,15 +233,15 @@ impl BlockSet {
     /// The smallest free block of `pool` with at least `size` bytes (lowest address on ties).
     #[inline]
     pub fn best_fit(&self, pool: Pool, size: u64) -> Option<u32> {
-        self.free[heap(pool)]
-            .range((size, 0)..)
-            .next()
-            .map(|(_, &id)| id)
+        self.free[heap(pool)].best_fit(size)
     }
 
     /// Free blocks of `pool` with at least `size` bytes, smallest first.
     pub fn fits(&self, pool: Pool, size: u64) -> impl Iterator<Item = u32> + '_ {
-        self.free[heap(pool)].range((size, 0)..).map(|(_, &id)| id)
+        self.free[heap(pool)]
+            .fits(size)
+            .into_iter()
+            .map(|(_, _, id)| id)
     }
 
     /// Unmapped blocks of `pool`, by address.
@@ -242,21 +251,21 @@ impl BlockSet {
 
     /// Free blocks of `pool`, smallest first.
     pub fn free_blocks(&self, pool: Pool) -> impl Iterator<Item = u32> + '_ {
-        self.free[heap(pool)].values().copied()
+        self.free[heap(pool)].all().into_iter().map(|(_, _, id)| id)
     }
 
     /// Size of the largest free block of either pool.
     pub fn largest_free(&self) -> u64 {
-        self.free
-            .iter()
-            .filter_map(|f| f.keys().next_back().map(|k| k.0))
-            .max()
-            .unwrap_or(0)
+        self.free.iter().map(|f| f.largest()).max().unwrap_or(0)
     }
 
     /// Bytes in free (mapped) blocks.
     pub fn free_bytes(&self) -> u64 {
-        self.free.iter().flat_map(|f| f.keys()).map(|k| k.0).sum()
+        self.free
+            .iter()
+            .flat_map(|f| f.all())
+            .map(|(s, _, _)| s)
+            .sum()
     }
 
     /// The live (allocated or pending) block at `addr`.
@@ -274,7 +283,7 @@ impl BlockSet {
     pub fn is_free_start(&self, addr: u64) -> bool {
         self.free
             .iter()
-            .any(|f| f.range((0, addr)..).any(|((_, a), _)| *a == addr))
+            .any(|f| f.all().iter().any(|&(_, a, _)| a == addr))
     }
 
     /// Hands out `size` bytes from free block `id` (PyTorch's `alloc_found_block`): with
@@ -333,6 +342,24 @@ impl BlockSet {
         st.active_bytes.inc(pool, size);
         st.requested_bytes.inc(pool, requested);
         id
+    }
+
+    /// The allocated block at `addr`, if there is one.
+    #[inline]
+    pub fn allocated_at(&self, addr: u64) -> Option<u32> {
+        self.live
+            .get(&addr)
+            .copied()
+            .filter(|&id| self.blocks[id as usize].state == State::Allocated)
+    }
+
+    /// The pending (freed, waiting for events) block at `addr`, if there is one.
+    #[inline]
+    pub fn pending_at(&self, addr: u64) -> Option<u32> {
+        self.live
+            .get(&addr)
+            .copied()
+            .filter(|&id| self.blocks[id as usize].state == State::Pending)
     }
 
     /// The user freed block `id`: it stops counting as allocated but stays active until
@@ -543,7 +570,7 @@ impl BlockSet {
                 let indexed = match b.state {
                     State::Free => {
                         free_seen += 1;
-                        self.free[heap(s.pool)].get(&(b.size, b.addr)) == Some(&id)
+                        self.free[heap(s.pool)].contains(id, b.size, b.addr)
                     }
                     State::Unmapped => self.unmapped[heap(s.pool)].get(&b.addr) == Some(&id),
                     _ => self.live.get(&b.addr) == Some(&id),

@@ -38,7 +38,7 @@ impl Expandable {
         Self {
             stream,
             device_total,
-            set: BlockSet::new(false),
+            set: BlockSet::new(false, true),
             segs: Vec::new(),
         }
     }
@@ -270,21 +270,26 @@ impl Policy for Expandable {
     }
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
-        let id = self.set.live_at(addr)?;
-        if self.set.block(id).state != State::Allocated {
-            return None;
-        }
+        let id = self.set.allocated_at(addr)?;
         self.set.free_requested(id);
         Some(self.set.block(id).size)
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
-        if let Some(id) = self.set.live_at(addr) {
-            if self.set.block(id).state == State::Pending {
-                self.set.release(id);
-            }
+        if let Some(id) = self.set.pending_at(addr) {
+            self.set.release(id);
         }
         Ok(())
+    }
+
+    fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
+        let Some(id) = self.set.allocated_at(addr) else {
+            return Ok(None);
+        };
+        let size = self.set.block(id).size;
+        self.set.free_requested(id);
+        self.set.release(id);
+        Ok(Some(size))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
@@ -327,9 +332,7 @@ impl Policy for Expandable {
     }
 
     fn is_allocated(&self, addr: DevPtr) -> bool {
-        self.set
-            .live_at(addr)
-            .is_some_and(|id| self.set.block(id).state == State::Allocated)
+        self.set.allocated_at(addr).is_some()
     }
 
     fn is_free_block(&self, addr: DevPtr) -> bool {

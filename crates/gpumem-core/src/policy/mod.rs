@@ -7,6 +7,7 @@
 pub mod blocks;
 pub mod buddy;
 pub mod expandable;
+pub mod free_index;
 pub mod segmented;
 pub mod stitched;
 
@@ -82,6 +83,19 @@ pub trait Policy: Send {
 
     /// The block at `addr` (freed earlier) may now be reused: all streams are done with it.
     fn release(&mut self, addr: DevPtr, dev: &Device) -> Result<(), BackendError>;
+
+    /// The user freed the block at `addr` and no other stream used it: it is reusable at
+    /// once. Returns its size, or `None` if `addr` is not a live block. (The same as
+    /// `free_requested` then `release`; policies override it to look the block up once.)
+    fn free(&mut self, addr: DevPtr, dev: &Device) -> Result<Option<u64>, BackendError> {
+        match self.free_requested(addr) {
+            None => Ok(None),
+            Some(size) => {
+                self.release(addr, dev)?;
+                Ok(Some(size))
+            }
+        }
+    }
 
     /// Returns cached memory that no live block uses to the device; returns the bytes
     /// returned.

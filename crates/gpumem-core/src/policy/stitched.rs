@@ -26,7 +26,6 @@ use crate::error::BackendError;
 use crate::stats::{MemoryStats, Pool};
 use crate::units::MIN_BLOCK;
 use parking_lot::Mutex;
-use std::collections::BTreeMap;
 
 const NONE: u32 = u32::MAX;
 
@@ -36,8 +35,6 @@ struct Phys {
     user: Option<(u32, u32)>,
     /// Shard that used it last.
     last_shard: u32,
-    /// Key in the free list while free.
-    free_tick: u64,
     /// Every (shard, virtual page) it is mapped at.
     aliases: Vec<(u32, u32)>,
 }
@@ -52,8 +49,7 @@ struct Table {
 struct Pages {
     phys: Vec<Option<Phys>>,
     spare: Vec<u32>,
-    free: BTreeMap<u64, u32>,
-    tick: u64,
+    free: FreeList,
     held: u64,
     busy: u64,
     peak_busy: u64,
@@ -88,8 +84,7 @@ impl PagePool {
             inner: Mutex::new(Pages {
                 phys: Vec::new(),
                 spare: Vec::new(),
-                free: BTreeMap::new(),
-                tick: 0,
+                free: FreeList::default(),
                 held: 0,
                 busy: 0,
                 peak_busy: 0,
@@ -128,9 +123,9 @@ impl PagePool {
         let mut p = self.inner.lock();
         let p = &mut *p;
         let mut need: Vec<u32> = Vec::new();
-        // Pages claimed through their existing mapping: (slot, last shard, free tick) to restore
-        // if the request fails.
-        let mut got: Vec<(u32, u32, u64)> = Vec::new();
+        // Pages claimed through their existing mapping: (slot, last shard) to restore if the
+        // request fails.
+        let mut got: Vec<(u32, u32)> = Vec::new();
         let mut other_shards: Vec<u32> = Vec::new();
         for &v in vpages {
             let slot = p.tables[shard as usize].map[v as usize];
@@ -138,11 +133,11 @@ impl PagePool {
                 let ph = p.phys[slot as usize].as_mut().expect("mapped slot");
                 if ph.user.is_none() {
                     ph.user = Some((shard, v));
-                    p.free.remove(&ph.free_tick);
                     if ph.last_shard != shard {
                         other_shards.push(ph.last_shard);
                     }
-                    got.push((slot, ph.last_shard, ph.free_tick));
+                    got.push((slot, ph.last_shard));
+                    p.free.remove(slot);
                     continue;
                 }
             }
@@ -162,11 +157,11 @@ impl PagePool {
             Ok(()) => Self::order_after(p, shard, &mut other_shards, &mut d),
             Err(e) => {
                 // Give back what was claimed for this request, as it was.
-                for (slot, last, tick) in got {
+                for (slot, last) in got {
                     let ph = p.phys[slot as usize].as_mut().expect("claimed slot");
                     ph.user = None;
                     ph.last_shard = last;
-                    p.free.insert(tick, slot);
+                    p.free.push_front(slot);
                 }
                 p.busy -= vpages.len() as u64;
                 Err(e)
@@ -207,7 +202,7 @@ impl PagePool {
             let s = match slot {
                 Some(s) => s,
                 None => {
-                    let (_, s) = p.free.pop_first().expect("free page available");
+                    let s = p.free.pop_front().expect("free page available");
                     let ph = p.phys[s as usize].as_ref().expect("free slot");
                     if ph.last_shard != shard {
                         other_shards.push(ph.last_shard);
@@ -274,8 +269,7 @@ impl PagePool {
                 p.held -= 1;
                 d.release_page(ph.handle, Pool::Large)?;
             } else {
-                let tick = p.phys[s as usize].as_ref().expect("taken slot").free_tick;
-                p.free.insert(tick, s);
+                p.free.push_front(s);
             }
         }
         Ok(())
@@ -286,7 +280,6 @@ impl PagePool {
             handle,
             user: None,
             last_shard: shard,
-            free_tick: 0,
             aliases: Vec::new(),
         };
         p.held += 1;
@@ -303,13 +296,10 @@ impl PagePool {
     }
 
     fn make_free(p: &mut Pages, slot: u32, shard: u32) {
-        p.tick += 1;
-        let tick = p.tick;
         let ph = p.phys[slot as usize].as_mut().expect("slot");
         ph.user = None;
         ph.last_shard = shard;
-        ph.free_tick = tick;
-        p.free.insert(tick, slot);
+        p.free.push_back(slot);
     }
 
     /// Makes `shard`'s stream wait for the work of the shards whose pages it took over.
@@ -350,7 +340,7 @@ impl PagePool {
         if p.free.is_empty() {
             return Ok(0);
         }
-        let slots: Vec<u32> = p.free.values().copied().collect();
+        let slots: Vec<u32> = p.free.iter().collect();
         let mut d = dev.lock();
         // Every stream whose virtual pages will be unmapped must be idle first.
         let mut shards: Vec<u32> = slots
@@ -374,7 +364,7 @@ impl PagePool {
         let mut released = 0;
         for s in slots {
             let ph = p.phys[s as usize].take().expect("free slot");
-            p.free.remove(&ph.free_tick);
+            p.free.remove(s);
             for &(sh, v) in &ph.aliases {
                 let t = &mut p.tables[sh as usize];
                 d.unmap(t.base + v as u64 * self.page, self.page)?;
@@ -386,6 +376,101 @@ impl PagePool {
             released += self.page;
         }
         Ok(released)
+    }
+}
+
+/// Free physical pages, least recently freed first: a doubly linked list through the slots,
+/// so that taking any page out of it (when its own virtual page touches it again) is O(1).
+#[derive(Default)]
+struct FreeList {
+    head: u32,
+    tail: u32,
+    links: Vec<(u32, u32)>,
+    member: Vec<bool>,
+    len: usize,
+}
+
+impl FreeList {
+    fn grow(&mut self, slot: u32) {
+        if self.links.is_empty() {
+            self.head = NONE;
+            self.tail = NONE;
+        }
+        if self.links.len() <= slot as usize {
+            self.links.resize(slot as usize + 1, (NONE, NONE));
+            self.member.resize(slot as usize + 1, false);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn push_back(&mut self, slot: u32) {
+        self.grow(slot);
+        debug_assert!(!self.member[slot as usize]);
+        self.links[slot as usize] = (self.tail, NONE);
+        if self.tail != NONE {
+            self.links[self.tail as usize].1 = slot;
+        } else {
+            self.head = slot;
+        }
+        self.tail = slot;
+        self.member[slot as usize] = true;
+        self.len += 1;
+    }
+
+    fn push_front(&mut self, slot: u32) {
+        self.grow(slot);
+        debug_assert!(!self.member[slot as usize]);
+        self.links[slot as usize] = (NONE, self.head);
+        if self.head != NONE {
+            self.links[self.head as usize].0 = slot;
+        } else {
+            self.tail = slot;
+        }
+        self.head = slot;
+        self.member[slot as usize] = true;
+        self.len += 1;
+    }
+
+    fn remove(&mut self, slot: u32) {
+        if !self.member.get(slot as usize).copied().unwrap_or(false) {
+            return;
+        }
+        let (prev, next) = self.links[slot as usize];
+        if prev != NONE {
+            self.links[prev as usize].1 = next;
+        } else {
+            self.head = next;
+        }
+        if next != NONE {
+            self.links[next as usize].0 = prev;
+        } else {
+            self.tail = prev;
+        }
+        self.member[slot as usize] = false;
+        self.len -= 1;
+    }
+
+    fn pop_front(&mut self) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        let s = self.head;
+        self.remove(s);
+        Some(s)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        let mut cur = if self.len == 0 { NONE } else { self.head };
+        std::iter::from_fn(move || {
+            (cur != NONE).then(|| {
+                let s = cur;
+                cur = self.links[s as usize].1;
+                s
+            })
+        })
     }
 }
 
@@ -425,7 +510,7 @@ impl Stitched {
             va_bytes: va_bytes.div_ceil(page) * page,
             pool,
             shard: NONE,
-            set: BlockSet::new(false),
+            set: BlockSet::new(false, false),
             base: 0,
             touch: Vec::new(),
             fresh: Vec::new(),
@@ -453,6 +538,28 @@ impl Stitched {
         let first = ((addr - self.base) >> self.shift) as u32;
         let last = ((addr + size - 1 - self.base) >> self.shift) as u32;
         first..=last
+    }
+}
+
+impl Stitched {
+    /// Makes pending block `id` reusable and lets go of the pages only it touched.
+    fn release_block(&mut self, id: u32) {
+        let (addr, size) = {
+            let b = self.set.block(id);
+            (b.addr, b.size)
+        };
+        self.fresh.clear();
+        for v in self.page_range(addr, size) {
+            let t = &mut self.touch[v as usize];
+            *t -= 1;
+            if *t == 0 {
+                self.fresh.push(v);
+            }
+        }
+        if !self.fresh.is_empty() {
+            self.pool.release(self.shard, &self.fresh);
+        }
+        self.set.release(id);
     }
 }
 
@@ -503,35 +610,26 @@ impl Policy for Stitched {
     }
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
-        let id = self.set.live_at(addr)?;
-        if self.set.block(id).state != State::Allocated {
-            return None;
-        }
+        let id = self.set.allocated_at(addr)?;
         self.set.free_requested(id);
         Some(self.set.block(id).size)
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
-        let Some(id) = self.set.live_at(addr) else {
-            return Ok(());
-        };
-        if self.set.block(id).state != State::Pending {
-            return Ok(());
+        if let Some(id) = self.set.pending_at(addr) {
+            self.release_block(id);
         }
-        let size = self.set.block(id).size;
-        self.fresh.clear();
-        for v in self.page_range(addr, size) {
-            let t = &mut self.touch[v as usize];
-            *t -= 1;
-            if *t == 0 {
-                self.fresh.push(v);
-            }
-        }
-        if !self.fresh.is_empty() {
-            self.pool.release(self.shard, &self.fresh);
-        }
-        self.set.release(id);
         Ok(())
+    }
+
+    fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
+        let Some(id) = self.set.allocated_at(addr) else {
+            return Ok(None);
+        };
+        let size = self.set.block(id).size;
+        self.set.free_requested(id);
+        self.release_block(id);
+        Ok(Some(size))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
@@ -573,9 +671,7 @@ impl Policy for Stitched {
     }
 
     fn is_allocated(&self, addr: DevPtr) -> bool {
-        self.set
-            .live_at(addr)
-            .is_some_and(|id| self.set.block(id).state == State::Allocated)
+        self.set.allocated_at(addr).is_some()
     }
 
     fn is_free_block(&self, addr: DevPtr) -> bool {
