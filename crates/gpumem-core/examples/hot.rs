@@ -36,13 +36,28 @@ fn ops(n: usize, live: usize, lo: u64, hi: u64, seed: u64) -> Vec<(i64, u64)> {
     out
 }
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("mt") {
+        for p in ["caching", "stitched"] {
+            for t in [1, 2] {
+                println!("{p} {t} threads: {:.1} ns/op aggregate", mt(p, t));
+            }
+        }
+        return;
+    }
     let cases = [
         ("same_1MiB", 200_000, 1, 1 << 20, (1 << 20) + 1),
         ("rand_512_64M_500", 100_000, 500, 512, 64 << 20),
         ("rand_512_1M_2000", 200_000, 2000, 512, 1 << 20),
     ];
+    let args: Vec<String> = std::env::args().collect();
     for p in PolicyKind::ALL {
+        if args.len() > 1 && args[1] != p.name() {
+            continue;
+        }
         for (name, n, live, lo, hi) in cases {
+            if args.len() > 2 && args[2] != name {
+                continue;
+            }
             let o = ops(n, live, lo, hi, 7);
             let a = Allocator::new(
                 Box::new(SimBackend::new(SimConfig::default()).0),
@@ -51,7 +66,7 @@ fn main() {
             .unwrap();
             let mut slots = vec![None; live];
             let mut best = f64::MAX;
-            for _ in 0..4 {
+            for _ in 0..(if args.len() > 3 { 1 } else { 4 }) {
                 let t = Instant::now();
                 for &(v, sz) in &o {
                     if v >= 0 {
@@ -66,4 +81,48 @@ fn main() {
             println!("{:10} {:18} {:8.1} ns/op", p.name(), name, best);
         }
     }
+}
+#[allow(dead_code)]
+pub fn mt(policy: &str, threads: usize) -> f64 {
+    let a = std::sync::Arc::new(
+        Allocator::new(
+            Box::new(SimBackend::new(SimConfig::default()).0),
+            Config::parse(&format!("policy:{policy}")).unwrap(),
+        )
+        .unwrap(),
+    );
+    let seqs: Vec<_> = (0..threads)
+        .map(|t| ops(50_000, 200, 512, 1 << 20, 100 + t as u64))
+        .collect();
+    let total: usize = seqs.iter().map(|s| s.len()).sum();
+    let barrier = std::sync::Barrier::new(threads);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let hs: Vec<_> = seqs
+            .iter()
+            .enumerate()
+            .map(|(t, o)| {
+                let a = a.clone();
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let stream = 0x1000 * (t as u64 + 1);
+                    let mut slots = vec![None; 200];
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    for &(v, sz) in o {
+                        if v >= 0 {
+                            slots[v as usize] = Some(a.allocate(sz, stream).unwrap());
+                        } else {
+                            a.free_allocation(&slots[(-v - 1) as usize].take().unwrap())
+                                .unwrap();
+                        }
+                    }
+                    (t0, Instant::now())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let start = spans.iter().map(|s| s.0).min().unwrap();
+    let end = spans.iter().map(|s| s.1).max().unwrap();
+    (end - start).as_nanos() as f64 / total as f64
 }

@@ -47,6 +47,9 @@ struct ShardState {
     syncs: i64,
 }
 
+/// One stream's pool. Aligned to two cache lines so that threads working on neighbouring
+/// streams of the table never write to the same line.
+#[repr(align(128))]
 struct Shard {
     stream: Stream,
     state: Mutex<ShardState>,

@@ -6,11 +6,17 @@
 //! training loop, which asks for the same sizes in the same order and gets the same addresses,
 //! finds its memory already mapped: no driver call. A physical page may be mapped at several
 //! virtual pages at once (aliases); it is used through at most one of them at a time. When a
-//! newly touched virtual page has no free physical page behind it, the pool takes a free page
-//! from anywhere (least recently freed first) and maps it there too, instead of asking the
+//! newly touched virtual page has no idle physical page behind it, the pool takes an idle page
+//! from anywhere (least recently idled first) and maps it there too, instead of asking the
 //! device for more, once the pages held exceed the peak of pages in use by the `slack` factor.
 //! So the memory held tracks the peak of pages touched by live blocks, which is within a page
 //! per block boundary of the live bytes.
+//!
+//! Concurrency: each stream keeps its own page table and its own list of idle pages, under its
+//! own lock, so re-touching a page it let go of (the common case) touches no shared state. The
+//! pool's lock is taken only when a page must come from elsewhere (created, or taken from
+//! another list, or remapped), and then every stream's list is locked too (in index order;
+//! fast paths hold only their own list, so this cannot deadlock).
 //!
 //! Stream order: a virtual page is unmapped (to point it at another physical page) only after
 //! its stream has finished the work queued before (an event is recorded and waited for); a
@@ -25,41 +31,55 @@ use crate::device::{Device, DeviceState};
 use crate::error::BackendError;
 use crate::stats::{MemoryStats, Pool};
 use crate::units::MIN_BLOCK;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 const NONE: u32 = u32::MAX;
 
+/// A physical page. Its owner (the stream that uses it, or let go of it last) changes only
+/// under the pool's lock.
 struct Phys {
     handle: PhysHandle,
-    /// (shard, virtual page) using it now, if any.
-    user: Option<(u32, u32)>,
-    /// Shard that used it last.
-    last_shard: u32,
+    owner: u32,
     /// Every (shard, virtual page) it is mapped at.
     aliases: Vec<(u32, u32)>,
 }
 
-struct Table {
-    stream: Stream,
-    base: u64,
+/// What one stream keeps: its page table and the pages it let go of.
+struct Local {
     /// Virtual page -> physical slot, or NONE.
     map: Vec<u32>,
+    /// Idle pages owned by this stream, least recently idled first.
+    idle: FreeList,
+    /// Slot -> pool epoch when it went idle (to find the oldest idle page across streams).
+    stamp: Vec<u64>,
+    /// Pages this stream uses now, and their peak.
+    busy: u64,
+    peak_busy: u64,
+}
+
+struct ShardPages {
+    stream: Stream,
+    base: u64,
+    local: Mutex<Local>,
 }
 
 struct Pages {
     phys: Vec<Option<Phys>>,
     spare: Vec<u32>,
-    free: FreeList,
     held: u64,
-    busy: u64,
-    peak_busy: u64,
-    tables: Vec<Table>,
     remaps: u64,
+    shards: Vec<Arc<ShardPages>>,
+    /// Highest total of pages in use seen by a slow path.
+    peak_seen: u64,
 }
 
 /// Physical pages shared by the stitched policy's streams on one device.
 pub struct PagePool {
     inner: Mutex<Pages>,
+    /// Advanced by every slow-path operation; stamps idle pages (read without the lock).
+    epoch: AtomicU64,
     page: u64,
     slack: f64,
 }
@@ -71,10 +91,16 @@ pub struct PageCounters {
     pub held: u64,
     /// Pages in use now.
     pub busy: u64,
-    /// Peak of pages in use.
+    /// Highest total of pages in use seen when pages were taken from the pool (or one
+    /// stream's own peak, if higher).
     pub peak_busy: u64,
     /// Virtual pages pointed at another physical page (unmap + map).
     pub remaps: u64,
+}
+
+/// Every stream's list locked, in index order.
+struct AllLocals<'a> {
+    guards: Vec<MutexGuard<'a, Local>>,
 }
 
 impl PagePool {
@@ -84,13 +110,12 @@ impl PagePool {
             inner: Mutex::new(Pages {
                 phys: Vec::new(),
                 spare: Vec::new(),
-                free: FreeList::default(),
                 held: 0,
-                busy: 0,
-                peak_busy: 0,
-                tables: Vec::new(),
                 remaps: 0,
+                shards: Vec::new(),
+                peak_seen: 0,
             }),
+            epoch: AtomicU64::new(0),
             page: info.page_bytes,
             slack: opts.slack.max(0.0),
         }
@@ -99,102 +124,148 @@ impl PagePool {
     /// Counters now.
     pub fn counters(&self) -> PageCounters {
         let p = self.inner.lock();
-        PageCounters {
+        let mut c = PageCounters {
             held: p.held,
-            busy: p.busy,
-            peak_busy: p.peak_busy,
             remaps: p.remaps,
+            peak_busy: p.peak_seen,
+            ..PageCounters::default()
+        };
+        for sh in &p.shards {
+            let l = sh.local.lock();
+            c.busy += l.busy;
+            c.peak_busy = c.peak_busy.max(l.peak_busy);
         }
+        c
     }
 
-    fn register(&self, stream: Stream, base: u64, pages: u64) -> u32 {
+    fn register(&self, stream: Stream, base: u64, pages: u64) -> (u32, Arc<ShardPages>) {
         let mut p = self.inner.lock();
-        p.tables.push(Table {
+        let sh = Arc::new(ShardPages {
             stream,
             base,
-            map: vec![NONE; pages as usize],
+            local: Mutex::new(Local {
+                map: vec![NONE; pages as usize],
+                idle: FreeList::default(),
+                stamp: Vec::new(),
+                busy: 0,
+                peak_busy: 0,
+            }),
         });
-        (p.tables.len() - 1) as u32
+        p.shards.push(sh.clone());
+        ((p.shards.len() - 1) as u32, sh)
     }
 
-    /// Gives shard `shard` a physical page under each virtual page of `vpages` (pages its new
-    /// block touches for the first time). On failure nothing is claimed.
-    fn claim(&self, shard: u32, vpages: &[u32], dev: &Device) -> Result<(), BackendError> {
-        let mut p = self.inner.lock();
-        let p = &mut *p;
+    fn lock_all(shards: &[Arc<ShardPages>]) -> AllLocals<'_> {
+        AllLocals {
+            guards: shards.iter().map(|s| s.local.lock()).collect(),
+        }
+    }
+
+    /// Gives shard `me` a physical page under each virtual page of `vpages` (pages its new
+    /// block touches for the first time): its own idle pages without the pool's lock, the
+    /// rest through the slow path. On failure nothing is claimed.
+    fn claim(
+        &self,
+        me: u32,
+        mine: &ShardPages,
+        vpages: &[u32],
+        dev: &Device,
+    ) -> Result<(), BackendError> {
         let mut need: Vec<u32> = Vec::new();
-        // Pages claimed through their existing mapping: (slot, last shard) to restore if the
-        // request fails.
-        let mut got: Vec<(u32, u32)> = Vec::new();
-        let mut other_shards: Vec<u32> = Vec::new();
-        for &v in vpages {
-            let slot = p.tables[shard as usize].map[v as usize];
-            if slot != NONE {
-                let ph = p.phys[slot as usize].as_mut().expect("mapped slot");
-                if ph.user.is_none() {
-                    ph.user = Some((shard, v));
-                    if ph.last_shard != shard {
-                        other_shards.push(ph.last_shard);
-                    }
-                    got.push((slot, ph.last_shard));
-                    p.free.remove(slot);
-                    continue;
+        let mut fast: Vec<u32> = Vec::new();
+        {
+            let mut l = mine.local.lock();
+            for &v in vpages {
+                let slot = l.map[v as usize];
+                if slot != NONE && l.idle.contains(slot) {
+                    l.idle.remove(slot);
+                    fast.push(slot);
+                } else {
+                    need.push(v);
                 }
             }
-            need.push(v);
-        }
-        p.busy += vpages.len() as u64;
-        p.peak_busy = p.peak_busy.max(p.busy);
-        if need.is_empty() {
-            if !other_shards.is_empty() {
-                let mut d = dev.lock();
-                Self::order_after(p, shard, &mut other_shards, &mut d)?;
+            l.busy += fast.len() as u64;
+            if need.is_empty() {
+                l.peak_busy = l.peak_busy.max(l.busy);
+                return Ok(());
             }
-            return Ok(());
         }
-        let mut d = dev.lock();
-        match self.fill(p, shard, &need, &mut other_shards, &mut d) {
-            Ok(()) => Self::order_after(p, shard, &mut other_shards, &mut d),
+        let result = self.claim_slow(me, &need, dev);
+        let mut l = mine.local.lock();
+        match result {
+            Ok(()) => {
+                l.busy += need.len() as u64;
+                l.peak_busy = l.peak_busy.max(l.busy);
+                Ok(())
+            }
             Err(e) => {
-                // Give back what was claimed for this request, as it was.
-                for (slot, last) in got {
-                    let ph = p.phys[slot as usize].as_mut().expect("claimed slot");
-                    ph.user = None;
-                    ph.last_shard = last;
-                    p.free.push_front(slot);
+                // Put back what was taken for this request.
+                l.busy -= fast.len() as u64;
+                for slot in fast {
+                    l.idle.push_front(slot);
                 }
-                p.busy -= vpages.len() as u64;
                 Err(e)
             }
         }
     }
 
-    /// Finds physical pages for `need` and maps them.
-    fn fill(
-        &self,
-        p: &mut Pages,
-        shard: u32,
-        need: &[u32],
-        other_shards: &mut Vec<u32>,
-        d: &mut DeviceState,
-    ) -> Result<(), BackendError> {
-        let budget = ((1.0 + self.slack) * p.peak_busy as f64).ceil() as u64;
-        // Pick the pages first, so that a failure leaves the mappings untouched.
-        let mut picked: Vec<u32> = Vec::with_capacity(need.len());
+    /// Finds and maps physical pages for `need` (virtual pages of shard `me`).
+    fn claim_slow(&self, me: u32, need: &[u32], dev: &Device) -> Result<(), BackendError> {
+        let mut p = self.inner.lock();
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        let shards = p.shards.clone();
+        let mut all = Self::lock_all(&shards);
+        let mut d = dev.lock();
+        let m = me as usize;
+        // The peak of pages in use across streams: the highest total a slow path has seen,
+        // and no less than any one stream's own peak (exact with one stream; with several it
+        // may be low, which costs remaps, never memory).
+        let busy: u64 = all.guards.iter().map(|l| l.busy).sum::<u64>() + need.len() as u64;
+        p.peak_seen = p.peak_seen.max(busy);
+        let own = all.guards[m].busy + need.len() as u64;
+        let peak = all
+            .guards
+            .iter()
+            .map(|l| l.peak_busy)
+            .max()
+            .unwrap_or(0)
+            .max(own)
+            .max(p.peak_seen);
+        let budget = ((1.0 + self.slack) * peak as f64).ceil() as u64;
+        let mut others: Vec<u32> = Vec::new();
+        // 1. Virtual pages whose page idles in another stream's list: take it over.
+        // 2. The rest get a page: created (within the budget), or the oldest idle one.
+        let mut picked: Vec<(u32, u32)> = Vec::new(); // (virtual page, slot)
+        let mut taken: Vec<(u32, u32)> = Vec::new(); // (slot, previous owner) to undo
         let mut created: Vec<u32> = Vec::new();
-        for _ in need {
-            let want_new = p.free.is_empty() || p.held < budget || d.reserve_unused() > 0;
+        let mut todo: Vec<u32> = Vec::new();
+        for &v in need {
+            let slot = all.guards[m].map[v as usize];
+            if slot != NONE {
+                let owner = p.phys[slot as usize].as_ref().expect("mapped slot").owner;
+                if all.guards[owner as usize].idle.contains(slot) {
+                    all.guards[owner as usize].idle.remove(slot);
+                    taken.push((slot, owner));
+                    picked.push((v, slot));
+                    continue;
+                }
+            }
+            todo.push(v);
+        }
+        let idle_total = |all: &AllLocals| all.guards.iter().map(|l| l.idle.len()).sum::<usize>();
+        for &v in &todo {
+            let want_new = idle_total(&all) == 0 || p.held < budget || d.reserve_unused() > 0;
             let mut slot = None;
             if want_new {
                 match d.create_page(Pool::Large) {
                     Ok(h) => {
-                        let s = Self::new_slot(p, h, shard);
+                        let s = Self::new_slot(&mut p, h, me);
                         created.push(s);
                         slot = Some(s);
                     }
-                    Err(e) if e.out_of_memory && !p.free.is_empty() => {}
+                    Err(e) if e.out_of_memory && idle_total(&all) > 0 => {}
                     Err(e) => {
-                        Self::undo_pick(p, &picked, &created, d)?;
+                        Self::undo(&mut p, &mut all, &taken, &created, &mut d)?;
                         return Err(e);
                     }
                 }
@@ -202,84 +273,109 @@ impl PagePool {
             let s = match slot {
                 Some(s) => s,
                 None => {
-                    let s = p.free.pop_front().expect("free page available");
-                    let ph = p.phys[s as usize].as_ref().expect("free slot");
-                    if ph.last_shard != shard {
-                        other_shards.push(ph.last_shard);
-                    }
+                    // The least recently idled page of any stream.
+                    let victim = (0..all.guards.len())
+                        .filter_map(|i| {
+                            let l = &all.guards[i];
+                            l.idle.front().map(|s| (l.stamp[s as usize], i, s))
+                        })
+                        .min()
+                        .expect("an idle page exists");
+                    let (_, i, s) = victim;
+                    all.guards[i].idle.remove(s);
+                    taken.push((s, i as u32));
                     s
                 }
             };
-            picked.push(s);
+            picked.push((v, s));
         }
-        // Virtual pages still pointing at a busy physical page must be unmapped first, and
-        // only once their stream's earlier work is done.
-        let stale: Vec<u32> = need
+        // Every taken page changes owner; the previous owner's work must come first.
+        for &(s, prev) in &taken {
+            if prev != me {
+                others.push(prev);
+            }
+            p.phys[s as usize].as_mut().expect("taken slot").owner = me;
+        }
+        let base = p.shards[m].base;
+        // Virtual pages still pointing at a page in use elsewhere are unmapped first, once
+        // their stream's earlier work is done.
+        let stale: Vec<u32> = picked
             .iter()
-            .copied()
-            .filter(|&v| p.tables[shard as usize].map[v as usize] != NONE)
+            .filter(|&&(v, s)| {
+                let cur = all.guards[m].map[v as usize];
+                cur != NONE && cur != s
+            })
+            .map(|&(v, _)| v)
             .collect();
-        let (base, stream) = (
-            p.tables[shard as usize].base,
-            p.tables[shard as usize].stream,
-        );
         if !stale.is_empty() {
-            let ev = d.event_record(stream)?;
+            let ev = d.event_record(p.shards[m].stream)?;
             d.event_synchronize(ev)?;
             d.event_destroy(ev);
-            for run in runs(&stale) {
+            let mut sorted = stale.clone();
+            sorted.sort_unstable();
+            for run in runs(&sorted) {
                 d.unmap(base + run.0 as u64 * self.page, run.1 as u64 * self.page)?;
             }
             for &v in &stale {
-                let old = p.tables[shard as usize].map[v as usize];
+                let old = all.guards[m].map[v as usize];
                 if let Some(ph) = p.phys[old as usize].as_mut() {
-                    ph.aliases.retain(|&a| a != (shard, v));
+                    ph.aliases.retain(|&a| a != (me, v));
                 }
-                p.tables[shard as usize].map[v as usize] = NONE;
+                all.guards[m].map[v as usize] = NONE;
                 p.remaps += 1;
             }
         }
-        for (&v, &s) in need.iter().zip(&picked) {
+        let mut mapped: Vec<u32> = Vec::new();
+        for &(v, s) in &picked {
+            if all.guards[m].map[v as usize] == s {
+                continue; // taken over through its existing mapping
+            }
             let ph = p.phys[s as usize].as_mut().expect("picked slot");
             d.map(base + v as u64 * self.page, self.page, ph.handle)?;
-            ph.aliases.push((shard, v));
-            ph.user = Some((shard, v));
-            p.tables[shard as usize].map[v as usize] = s;
+            ph.aliases.push((me, v));
+            all.guards[m].map[v as usize] = s;
+            mapped.push(v);
         }
-        let mut sorted = need.to_vec();
-        sorted.sort_unstable();
-        for run in runs(&sorted) {
+        mapped.sort_unstable();
+        for run in runs(&mapped) {
             d.set_access(base + run.0 as u64 * self.page, run.1 as u64 * self.page)?;
+        }
+        others.sort_unstable();
+        others.dedup();
+        let stream = p.shards[m].stream;
+        for &o in &others {
+            let ev = d.event_record(p.shards[o as usize].stream)?;
+            d.stream_wait_event(stream, ev)?;
+            d.event_destroy(ev);
         }
         Ok(())
     }
 
-    /// Returns the pages picked for a request that failed: new ones to the device, taken
-    /// ones to the free list with their old place in it.
-    fn undo_pick(
+    /// Returns the pages picked for a request that failed: new ones to the device, taken ones
+    /// to their owner's idle list.
+    fn undo(
         p: &mut Pages,
-        picked: &[u32],
+        all: &mut AllLocals,
+        taken: &[(u32, u32)],
         created: &[u32],
         d: &mut DeviceState,
     ) -> Result<(), BackendError> {
-        for &s in picked {
-            if created.contains(&s) {
-                let ph = p.phys[s as usize].take().expect("created slot");
-                p.spare.push(s);
-                p.held -= 1;
-                d.release_page(ph.handle, Pool::Large)?;
-            } else {
-                p.free.push_front(s);
-            }
+        for &(s, owner) in taken {
+            all.guards[owner as usize].idle.push_front(s);
+        }
+        for &s in created {
+            let ph = p.phys[s as usize].take().expect("created slot");
+            p.spare.push(s);
+            p.held -= 1;
+            d.release_page(ph.handle, Pool::Large)?;
         }
         Ok(())
     }
 
-    fn new_slot(p: &mut Pages, handle: PhysHandle, shard: u32) -> u32 {
+    fn new_slot(p: &mut Pages, handle: PhysHandle, owner: u32) -> u32 {
         let ph = Phys {
             handle,
-            user: None,
-            last_shard: shard,
+            owner,
             aliases: Vec::new(),
         };
         p.held += 1;
@@ -295,52 +391,32 @@ impl PagePool {
         }
     }
 
-    fn make_free(p: &mut Pages, slot: u32, shard: u32) {
-        let ph = p.phys[slot as usize].as_mut().expect("slot");
-        ph.user = None;
-        ph.last_shard = shard;
-        p.free.push_back(slot);
-    }
-
-    /// Makes `shard`'s stream wait for the work of the shards whose pages it took over.
-    fn order_after(
-        p: &Pages,
-        shard: u32,
-        others: &mut Vec<u32>,
-        d: &mut DeviceState,
-    ) -> Result<(), BackendError> {
-        others.sort_unstable();
-        others.dedup();
-        let me = p.tables[shard as usize].stream;
-        for &o in others.iter() {
-            let ev = d.event_record(p.tables[o as usize].stream)?;
-            d.stream_wait_event(me, ev)?;
-            d.event_destroy(ev);
-        }
-        others.clear();
-        Ok(())
-    }
-
-    /// Shard `shard` no longer touches `vpages`: their physical pages become free.
-    fn release(&self, shard: u32, vpages: &[u32]) {
-        let mut p = self.inner.lock();
-        let p = &mut *p;
+    /// Shard `mine` no longer touches `vpages`: their pages go idle, still mapped, in its own
+    /// list (no shared state touched).
+    fn release(&self, mine: &ShardPages, vpages: &[u32]) {
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let mut l = mine.local.lock();
         for &v in vpages {
-            let slot = p.tables[shard as usize].map[v as usize];
+            let slot = l.map[v as usize];
             debug_assert!(slot != NONE, "released page was mapped");
-            Self::make_free(p, slot, shard);
+            if l.stamp.len() <= slot as usize {
+                l.stamp.resize(slot as usize + 1, 0);
+            }
+            l.stamp[slot as usize] = epoch;
+            l.idle.push_back(slot);
         }
-        p.busy -= vpages.len() as u64;
+        l.busy -= vpages.len() as u64;
     }
 
-    /// Unmaps and releases every free physical page. Returns the bytes released.
+    /// Unmaps and releases every idle physical page. Returns the bytes released.
     fn trim(&self, dev: &Device) -> Result<u64, BackendError> {
         let mut p = self.inner.lock();
-        let p = &mut *p;
-        if p.free.is_empty() {
+        let shards = p.shards.clone();
+        let mut all = Self::lock_all(&shards);
+        let slots: Vec<u32> = all.guards.iter().flat_map(|l| l.idle.iter()).collect();
+        if slots.is_empty() {
             return Ok(0);
         }
-        let slots: Vec<u32> = p.free.iter().collect();
         let mut d = dev.lock();
         // Every stream whose virtual pages will be unmapped must be idle first.
         let mut shards: Vec<u32> = slots
@@ -357,29 +433,62 @@ impl PagePool {
         shards.sort_unstable();
         shards.dedup();
         for &sh in &shards {
-            let ev = d.event_record(p.tables[sh as usize].stream)?;
+            let ev = d.event_record(p.shards[sh as usize].stream)?;
             d.event_synchronize(ev)?;
             d.event_destroy(ev);
         }
         let mut released = 0;
         for s in slots {
-            let ph = p.phys[s as usize].take().expect("free slot");
-            p.free.remove(s);
+            let ph = p.phys[s as usize].take().expect("idle slot");
+            all.guards[ph.owner as usize].idle.remove(s);
             for &(sh, v) in &ph.aliases {
-                let t = &mut p.tables[sh as usize];
-                d.unmap(t.base + v as u64 * self.page, self.page)?;
-                t.map[v as usize] = NONE;
+                d.unmap(p.shards[sh as usize].base + v as u64 * self.page, self.page)?;
+                all.guards[sh as usize].map[v as usize] = NONE;
             }
             d.release_page(ph.handle, Pool::Large)?;
             p.spare.push(s);
             p.held -= 1;
             released += self.page;
         }
+        drop(all);
         Ok(released)
+    }
+
+    /// Checks shard `me`'s view: every touched virtual page maps to a page it owns and does
+    /// not list as idle, and no two touched pages share one.
+    fn check(&self, me: u32, touch: &[u32]) -> Result<(), String> {
+        let p = self.inner.lock();
+        let l = p.shards[me as usize].local.lock();
+        let mut seen = std::collections::HashSet::new();
+        for (v, &n) in touch.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let s = l.map[v];
+            if s == NONE {
+                return Err(format!("touched virtual page {v} is not mapped"));
+            }
+            let ph = p.phys[s as usize]
+                .as_ref()
+                .ok_or("mapped to an empty slot")?;
+            if ph.owner != me {
+                return Err(format!(
+                    "virtual page {v} is touched but its page belongs to shard {}",
+                    ph.owner
+                ));
+            }
+            if l.idle.contains(s) {
+                return Err(format!("virtual page {v} is touched but its page is idle"));
+            }
+            if !seen.insert(s) {
+                return Err(format!("two touched virtual pages share physical page {s}"));
+            }
+        }
+        Ok(())
     }
 }
 
-/// Free physical pages, least recently freed first: a doubly linked list through the slots,
+/// Idle physical pages, least recently idled first: a doubly linked list through the slots,
 /// so that taking any page out of it (when its own virtual page touches it again) is O(1).
 #[derive(Default)]
 struct FreeList {
@@ -402,8 +511,16 @@ impl FreeList {
         }
     }
 
-    fn is_empty(&self) -> bool {
-        self.len == 0
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn contains(&self, slot: u32) -> bool {
+        self.member.get(slot as usize).copied().unwrap_or(false)
+    }
+
+    fn front(&self) -> Option<u32> {
+        (self.len > 0).then_some(self.head)
     }
 
     fn push_back(&mut self, slot: u32) {
@@ -453,15 +570,6 @@ impl FreeList {
         self.len -= 1;
     }
 
-    fn pop_front(&mut self) -> Option<u32> {
-        if self.len == 0 {
-            return None;
-        }
-        let s = self.head;
-        self.remove(s);
-        Some(s)
-    }
-
     fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         let mut cur = if self.len == 0 { NONE } else { self.head };
         std::iter::from_fn(move || {
@@ -489,8 +597,9 @@ fn runs(sorted: &[u32]) -> Vec<(u32, u32)> {
 /// The stitched policy for one stream.
 pub struct Stitched {
     stream: Stream,
-    pool: std::sync::Arc<PagePool>,
+    pool: Arc<PagePool>,
     shard: u32,
+    pages: Option<Arc<ShardPages>>,
     set: BlockSet,
     base: u64,
     va_bytes: u64,
@@ -502,7 +611,7 @@ pub struct Stitched {
 impl Stitched {
     /// A pool for `stream` drawing pages from `pool`, placing blocks in `va_bytes` of virtual
     /// space (reserved at the first allocation).
-    pub fn new(stream: Stream, pool: std::sync::Arc<PagePool>, va_bytes: u64) -> Self {
+    pub fn new(stream: Stream, pool: Arc<PagePool>, va_bytes: u64) -> Self {
         let page = pool.page;
         Self {
             stream,
@@ -510,6 +619,7 @@ impl Stitched {
             va_bytes: va_bytes.div_ceil(page) * page,
             pool,
             shard: NONE,
+            pages: None,
             set: BlockSet::new(false, false),
             base: 0,
             touch: Vec::new(),
@@ -529,7 +639,9 @@ impl Stitched {
         self.touch = vec![0; pages as usize];
         self.set
             .add_segment(base, self.va_bytes, Pool::Large, State::Free);
-        self.shard = self.pool.register(self.stream, base, pages);
+        let (shard, sp) = self.pool.register(self.stream, base, pages);
+        self.shard = shard;
+        self.pages = Some(sp);
         Ok(())
     }
 
@@ -557,7 +669,11 @@ impl Stitched {
             }
         }
         if !self.fresh.is_empty() {
-            self.pool.release(self.shard, &self.fresh);
+            let sp = self
+                .pages
+                .as_ref()
+                .expect("initialised with the first allocation");
+            self.pool.release(sp, &self.fresh);
         }
         self.set.release(id);
     }
@@ -592,7 +708,8 @@ impl Policy for Stitched {
             }
         }
         if !self.fresh.is_empty() {
-            if let Err(e) = self.pool.claim(self.shard, &self.fresh, dev) {
+            let sp = self.pages.as_ref().expect("initialised above");
+            if let Err(e) = self.pool.claim(self.shard, sp, &self.fresh, dev) {
                 for v in self.page_range(addr, rounded) {
                     self.touch[v as usize] -= 1;
                 }
@@ -684,25 +801,6 @@ impl Policy for Stitched {
         if self.shard == NONE {
             return Ok(());
         }
-        let p = self.pool.inner.lock();
-        let t = &p.tables[self.shard as usize];
-        for (v, &n) in self.touch.iter().enumerate() {
-            if n > 0 {
-                let s = t.map[v];
-                if s == NONE {
-                    return Err(format!("touched virtual page {v} is not mapped"));
-                }
-                let ph = p.phys[s as usize]
-                    .as_ref()
-                    .ok_or("mapped to an empty slot")?;
-                if ph.user != Some((self.shard, v as u32)) {
-                    return Err(format!(
-                        "virtual page {v} is touched but its physical page is used by {:?}",
-                        ph.user
-                    ));
-                }
-            }
-        }
-        Ok(())
+        self.pool.check(self.shard, &self.touch)
     }
 }
