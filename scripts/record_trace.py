@@ -98,7 +98,52 @@ def mlp(steps: int, dev: torch.device):
         yield
 
 
-WORKLOADS = {"gpt_varlen": gpt_varlen, "mlp": mlp}
+def encdec(steps: int, dev: torch.device):
+    """An encoder-decoder transformer (translation-like) with random source and target lengths."""
+    d = 512
+    model = torch.nn.Transformer(d_model=d, nhead=8, num_encoder_layers=4, num_decoder_layers=4,
+                                 dim_feedforward=2048, batch_first=True).to(dev)
+    emb = torch.nn.Embedding(8000, d).to(dev)
+    head = torch.nn.Linear(d, 8000).to(dev)
+    params = list(model.parameters()) + list(emb.parameters()) + list(head.parameters())
+    opt = torch.optim.Adam(params, lr=1e-4)
+    for _ in range(steps):
+        b = random.choice([16, 32])
+        src = torch.randint(0, 8000, (b, random.randint(32, 256)), device=dev)
+        tgt = torch.randint(0, 8000, (b, random.randint(16, 128)), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            mask = model.generate_square_subsequent_mask(tgt.shape[1] - 1, device=dev)
+            out = model(emb(src), emb(tgt[:, :-1]), tgt_mask=mask)
+            loss = torch.nn.functional.cross_entropy(head(out).float().reshape(-1, 8000), tgt[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+def checkpointed(steps: int, dev: torch.device):
+    """A deep MLP-transformer stack trained with activation checkpointing (recomputation in
+    the backward pass changes the allocation pattern)."""
+    from torch.utils.checkpoint import checkpoint
+    d = 1024
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+        for _ in range(16)).to(dev)
+    opt = torch.optim.AdamW(layers.parameters(), lr=1e-4)
+    for _ in range(steps):
+        x = torch.randn(16, random.choice([256, 512, 768]), d, device=dev, requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = x
+            for layer in layers:
+                h = h + checkpoint(layer, h, use_reentrant=False)
+            loss = h.float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+WORKLOADS = {"gpt_varlen": gpt_varlen, "mlp": mlp, "encdec": encdec, "checkpointed": checkpointed}
 
 
 def main() -> int:
