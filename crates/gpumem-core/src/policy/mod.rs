@@ -195,8 +195,10 @@ impl PolicyKind {
 /// Tuning knobs of the policies (from `GPUMEM_CONF`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyOptions {
-    /// Stitched: extra pages kept mapped beyond the live peak, as a fraction of it, to avoid
-    /// remapping (0.0 keeps held memory at the page-touch minimum).
+    /// Stitched: pages created beyond the peak of pages in use, as a fraction of it, rather
+    /// than taking idle pages from elsewhere. 0 (the default) keeps the memory held at the
+    /// page-touch minimum; replays of real traces show that 0.01 costs a full 1 % of memory
+    /// and saves few driver calls.
     pub slack: f64,
     /// Stitched: virtual space reserved per stream, as a multiple of the device memory.
     pub va_factor: u64,
@@ -205,7 +207,7 @@ pub struct PolicyOptions {
 impl Default for PolicyOptions {
     fn default() -> Self {
         Self {
-            slack: 0.01,
+            slack: 0.0,
             va_factor: 2,
         }
     }
