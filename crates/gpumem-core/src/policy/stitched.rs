@@ -54,14 +54,6 @@ struct Local {
     idle: FreeList,
     /// Slot -> pool epoch when it went idle (to find the oldest idle page across streams).
     stamp: Vec<u64>,
-    /// Counts this stream's page transitions: the clock of the reuse predictions.
-    clock: u64,
-    /// Virtual page -> when it went idle, and how long it stayed idle last time (u64::MAX:
-    /// not known yet).
-    idle_at: Vec<u64>,
-    gap: Vec<u64>,
-    /// Slot -> when its virtual page is expected to need it again (idle time + last gap).
-    due: Vec<u64>,
     /// Pages this stream uses now, and their peak.
     busy: u64,
     peak_busy: u64,
@@ -104,22 +96,6 @@ pub struct PageCounters {
     pub peak_busy: u64,
     /// Virtual pages pointed at another physical page (unmap + map).
     pub remaps: u64,
-}
-
-/// Idle pages looked at (oldest first) when one must be taken: the one whose virtual page is
-/// expected to need it again last is taken. Plain LRU would take the page a periodic training
-/// step needs next; learning each virtual page's idle gap avoids most such remaps.
-const VICTIM_WINDOW: usize = 32;
-
-impl Local {
-    /// Virtual page `v` is touched again: remember how long it was idle.
-    #[inline]
-    fn learn_gap(&mut self, v: u32) {
-        let at = self.idle_at[v as usize];
-        if at != 0 {
-            self.gap[v as usize] = self.clock - at;
-        }
-    }
 }
 
 /// Every stream's list locked, in index order.
@@ -171,10 +147,6 @@ impl PagePool {
                 map: vec![NONE; pages as usize],
                 idle: FreeList::default(),
                 stamp: Vec::new(),
-                clock: 0,
-                idle_at: vec![0; pages as usize],
-                gap: vec![u64::MAX; pages as usize],
-                due: Vec::new(),
                 busy: 0,
                 peak_busy: 0,
             }),
@@ -203,9 +175,7 @@ impl PagePool {
         let mut fast: Vec<u32> = Vec::new();
         {
             let mut l = mine.local.lock();
-            l.clock += 1;
             for &v in vpages {
-                l.learn_gap(v);
                 let slot = l.map[v as usize];
                 if slot != NONE && l.idle.contains(slot) {
                     l.idle.remove(slot);
@@ -304,23 +274,14 @@ impl PagePool {
                 Some(s) => s,
                 None => {
                     // The least recently idled page of any stream.
-                    // The stream whose oldest idle page is the oldest; among its oldest few,
-                    // the one whose virtual page should need it again last.
-                    let (_, i, _) = (0..all.guards.len())
+                    // The least recently idled page of any stream. (Replays showed that
+                    // predicting reuse from each virtual page's past idle gaps does no better.)
+                    let (_, i, s) = (0..all.guards.len())
                         .filter_map(|i| {
                             let l = &all.guards[i];
                             l.idle.front().map(|s| (l.stamp[s as usize], i, s))
                         })
                         .min()
-                        .expect("an idle page exists");
-                    let l = &all.guards[i];
-                    let s = l
-                        .idle
-                        .iter()
-                        .take(VICTIM_WINDOW)
-                        .enumerate()
-                        .max_by_key(|&(k, s)| (l.due[s as usize], std::cmp::Reverse(k)))
-                        .map(|(_, s)| s)
                         .expect("an idle page exists");
                     all.guards[i].idle.remove(s);
                     taken.push((s, i as u32));
@@ -436,18 +397,13 @@ impl PagePool {
     fn release(&self, mine: &ShardPages, vpages: &[u32]) {
         let epoch = self.epoch.load(Ordering::Relaxed);
         let mut l = mine.local.lock();
-        l.clock += 1;
-        let now = l.clock;
         for &v in vpages {
             let slot = l.map[v as usize];
             debug_assert!(slot != NONE, "released page was mapped");
             if l.stamp.len() <= slot as usize {
                 l.stamp.resize(slot as usize + 1, 0);
-                l.due.resize(slot as usize + 1, 0);
             }
             l.stamp[slot as usize] = epoch;
-            l.idle_at[v as usize] = now;
-            l.due[slot as usize] = now.saturating_add(l.gap[v as usize]);
             l.idle.push_back(slot);
         }
         l.busy -= vpages.len() as u64;
