@@ -77,7 +77,10 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
         .chain([bench::MT_CASE])
         .collect();
     if let Some(bad) = a.cases.iter().find(|c| !known.contains(&c.as_str())) {
-        return Err(format!("unknown case '{bad}' (one of: {})", known.join(", ")));
+        return Err(format!(
+            "unknown case '{bad}' (one of: {})",
+            known.join(", ")
+        ));
     }
     let opts = BenchOptions {
         policies: if a.policies.is_empty() {

@@ -73,8 +73,6 @@ impl PhysicalProbe {
 /// The CUDA driver as the engine's [`Backend`], for one device and its primary context.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
-    /// The primary context (a `CUcontext`, kept as an integer so the backend is `Send`).
-    cu_ctx: usize,
     info: DeviceInfo,
     /// Allocation properties of the device's physical pages.
     prop: sys::CUmemAllocationProp,
@@ -95,11 +93,11 @@ pub struct CudaBackend {
     probe: Option<Arc<PhysicalProbe>>,
 }
 
-// The raw driver structures inside (`prop` holds a null Win32 metadata pointer) make the type
-// not `Send` automatically.
-// SAFETY: every handle is an integer or a pointer owned by the driver, valid from any thread
-// once the context is current, which every method ensures first; `prop`'s only pointer is
-// null.
+// `prop` (a driver structure with a Win32 metadata pointer) keeps the type from being `Send`
+// automatically.
+// SAFETY: that pointer is always null and never read; every other field is an integer handle
+// or a thread-safe type, and driver handles are valid from any thread once the context is
+// current, which every method ensures first.
 unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
@@ -120,11 +118,12 @@ impl CudaBackend {
     /// as [`CudaContext::new`] returns).
     pub fn with_context(ctx: Arc<CudaContext>) -> Result<Self, BackendError> {
         driver::load()?;
-        let cu_ctx = ctx.cu_ctx();
-        bind(cu_ctx)?;
+        bind(&ctx)?;
         let dev = ctx.cu_device();
         let ordinal = ctx.ordinal() as u32;
-        let name = ctx.name().unwrap_or_else(|_| format!("CUDA device {ordinal}"));
+        let name = ctx
+            .name()
+            .unwrap_or_else(|_| format!("CUDA device {ordinal}"));
         let mut total = 0usize;
         // SAFETY: `dev` is a valid device of an initialised driver; `total` is a valid place.
         check_named("cuDeviceTotalMem", unsafe {
@@ -156,7 +155,6 @@ impl CudaBackend {
             }
         }
         Ok(Self {
-            cu_ctx: cu_ctx as usize,
             ctx,
             info: DeviceInfo {
                 name,
@@ -205,7 +203,7 @@ impl CudaBackend {
 
     #[inline]
     fn bind(&self) -> Result<(), BackendError> {
-        bind(self.cu_ctx as sys::CUcontext)
+        bind(&self.ctx)
     }
 
     #[inline]
@@ -459,7 +457,9 @@ impl Backend for CudaBackend {
         }
         self.bind()?;
         // SAFETY: a handle this backend created, not mapped anywhere (checked above).
-        check(DriverCall::MemRelease, unsafe { sys::cuMemRelease(handle.0) })?;
+        check(DriverCall::MemRelease, unsafe {
+            sys::cuMemRelease(handle.0)
+        })?;
         self.handles.remove(&handle.0);
         self.physical -= bytes;
         Ok(())
@@ -471,10 +471,7 @@ impl Backend for CudaBackend {
             Some(&(b, _)) => {
                 return Err(BackendError::new(
                     DriverCall::MemMap,
-                    format!(
-                        "handle {:#x} has {b} bytes, mapping asks {bytes}",
-                        handle.0
-                    ),
+                    format!("handle {:#x} has {b} bytes, mapping asks {bytes}", handle.0),
                 ))
             }
             None => {
@@ -547,7 +544,8 @@ impl Backend for CudaBackend {
         };
         // SAFETY: `ev` is an event of this context; the stream handle is the caller's (a
         // stream of this context, or an alias set up for one).
-        let r = unsafe { sys::cuEventRecord(ev as usize as sys::CUevent, self.real_stream(stream)) };
+        let r =
+            unsafe { sys::cuEventRecord(ev as usize as sys::CUevent, self.real_stream(stream)) };
         if let Err(e) = check(DriverCall::EventRecord, r) {
             self.idle_events.push(ev);
             return Err(e);

@@ -7,6 +7,7 @@
 //! error the engine retries on).
 
 use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::CudaContext;
 use gpumem_core::backend::DriverCall;
 use gpumem_core::BackendError;
 use std::ffi::CStr;
@@ -176,14 +177,14 @@ pub fn device_count() -> Result<u32, BackendError> {
 /// from threads that have no current context (autograd's worker thread), where every driver
 /// call would fail with CUDA_ERROR_INVALID_CONTEXT.
 #[inline]
-pub fn bind(ctx: sys::CUcontext) -> Result<(), BackendError> {
+pub fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
+    let want = ctx.cu_ctx();
     let mut cur: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the driver is loaded (a context exists only after `load`); `cur` is a valid
-    // place for the result.
+    // SAFETY: a context exists, so the driver is loaded; `cur` is a valid place for the result.
     check_named("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
-    if cur != ctx {
-        // SAFETY: `ctx` is a primary context retained by the caller for as long as it is used.
-        check_named("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })?;
+    if cur != want {
+        // SAFETY: `want` is the context `ctx` owns (retained for as long as `ctx` lives).
+        check_named("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(want) })?;
     }
     Ok(())
 }

@@ -30,7 +30,7 @@ impl DriverBaselines {
                 format!("cannot open CUDA device {ordinal}: {e}"),
             )
         })?;
-        bind(ctx.cu_ctx())?;
+        bind(&ctx)?;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: `pool` is a valid place; the device is the context's.
         check_named("cuDeviceGetDefaultMemPool", unsafe {
@@ -60,7 +60,11 @@ impl DriverBaselines {
     pub(super) fn streams(&self, n: usize) -> Result<Vec<Stream>, String> {
         let mut s = self.streams.lock().map_err(|_| "stream list poisoned")?;
         while s.len() < n {
-            s.push(self.ctx.new_stream().map_err(|e| format!("cuStreamCreate: {e}"))?);
+            s.push(
+                self.ctx
+                    .new_stream()
+                    .map_err(|e| format!("cuStreamCreate: {e}"))?,
+            );
         }
         Ok(s[..n]
             .iter()
@@ -69,17 +73,17 @@ impl DriverBaselines {
     }
 
     fn sync(&self) -> Result<(), String> {
-        bind(self.ctx.cu_ctx()).map_err(|e| e.to_string())?;
+        bind(&self.ctx).map_err(|e| e.to_string())?;
         driver::ctx_synchronize().map_err(|e| e.to_string())
     }
 
     /// One run of cuMemAlloc/cuMemFree over `seqs[0]` (single thread).
     pub(super) fn malloc_runs(&self, seqs: &[Vec<Op>]) -> Result<Duration, String> {
-        let ctx = self.ctx.cu_ctx() as usize;
+        let ctx = &self.ctx;
         let wall = timed_threads(
             seqs.len(),
             |t| {
-                bind(ctx as sys::CUcontext).map_err(|e| e.to_string())?;
+                bind(ctx).map_err(|e| e.to_string())?;
                 Ok(vec![0u64; slots(&seqs[t])])
             },
             |t, slots| malloc_pass(&seqs[t], slots),
@@ -89,12 +93,16 @@ impl DriverBaselines {
     }
 
     /// One run of cuMemAllocAsync/cuMemFreeAsync, thread t on `streams[t]`.
-    pub(super) fn async_runs(&self, seqs: &[Vec<Op>], streams: &[Stream]) -> Result<Duration, String> {
-        let ctx = self.ctx.cu_ctx() as usize;
+    pub(super) fn async_runs(
+        &self,
+        seqs: &[Vec<Op>],
+        streams: &[Stream],
+    ) -> Result<Duration, String> {
+        let ctx = &self.ctx;
         let wall = timed_threads(
             seqs.len(),
             |t| {
-                bind(ctx as sys::CUcontext).map_err(|e| e.to_string())?;
+                bind(ctx).map_err(|e| e.to_string())?;
                 Ok(vec![0u64; slots(&seqs[t])])
             },
             |t, slots| async_pass(&seqs[t], slots, streams[t]),

@@ -10,8 +10,8 @@
 //! figure is the aggregate: wall time ÷ all threads' ops. The timed loop makes no call but the
 //! allocator's own: pointers go to a preallocated slot table, errors end the run.
 
-pub mod ops;
 mod driver_baselines;
+pub mod ops;
 pub mod report;
 
 use crate::backend::CudaBackend;
@@ -360,7 +360,9 @@ fn gpumem_runs(
     timed_threads(
         seqs.len(),
         |t| Ok(vec![None::<Allocation>; max_slot(&seqs[t])]),
-        |t, slots| gpumem_pass(alloc, &seqs[t], slots, streams[t], by_ptr).map_err(|e| e.to_string()),
+        |t, slots| {
+            gpumem_pass(alloc, &seqs[t], slots, streams[t], by_ptr).map_err(|e| e.to_string())
+        },
     )
 }
 
@@ -420,7 +422,10 @@ where
         go.store(true, Ordering::Release);
         let results: Vec<Result<(), String>> = handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("a benchmark thread panicked".into())))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a benchmark thread panicked".into()))
+            })
             .collect();
         let wall = start.elapsed();
         results.into_iter().collect::<Result<Vec<()>, String>>()?;
@@ -439,7 +444,10 @@ mod tests {
         assert_eq!(c[0].timed.n_allocs, 200_000);
         assert_eq!(c[1].malloc_allocs, Some(4000));
         let mt = &c[6];
-        assert_eq!((mt.threads, mt.timed.n_allocs, mt.warm.n_allocs), (8, 50_000, 20_000));
+        assert_eq!(
+            (mt.threads, mt.timed.n_allocs, mt.warm.n_allocs),
+            (8, 50_000, 20_000)
+        );
         let seqs = mt.sequences(false);
         assert_eq!(seqs.len(), 8);
         // Thread t uses seed 100 + t, as alloc_mt.py's run_ops_mt.
@@ -470,7 +478,11 @@ mod tests {
         for x in &m {
             assert!(x.ns_per_op > 0.0 && x.ns_per_op.is_finite(), "{x:?}");
             assert_eq!(x.device, "sim");
-            let expect_ops = if x.case == MT_CASE { 100_000 * x.threads as u64 } else { 200_000 };
+            let expect_ops = if x.case == MT_CASE {
+                100_000 * x.threads as u64
+            } else {
+                200_000
+            };
             assert_eq!(x.ops_per_run, expect_ops);
             // The 64 MiB case peaks at gigabytes live: every policy held at least that much.
             if x.case == "random_512B_64MiB_live500" {

@@ -206,7 +206,10 @@ mod tests {
     fn sequences_match_the_committed_cpp_fixture() {
         let fixture = include_str!("../../tests/fixtures/opgen.txt");
         let mut checked = 0;
-        for line in fixture.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        for line in fixture
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
             let f: Vec<&str> = line.split_whitespace().collect();
             let num = |i: usize| f[i].parse::<u64>().expect("number");
             let p = OpParams {
@@ -266,7 +269,16 @@ mod tests {
         }
         for p in bench_params() {
             let out = Command::new(&exe)
-                .args([p.n_allocs, p.max_live as u64, p.min_size, p.max_size, p.seed].map(|v| v.to_string()))
+                .args(
+                    [
+                        p.n_allocs,
+                        p.max_live as u64,
+                        p.min_size,
+                        p.max_size,
+                        p.seed,
+                    ]
+                    .map(|v| v.to_string()),
+                )
                 .output()
                 .expect("run opgen");
             assert!(out.status.success());
@@ -286,7 +298,10 @@ mod tests {
             let rust = make_ops(p);
             assert_eq!(cpp.len(), rust.len(), "{p:?}");
             if let Some(i) = cpp.iter().zip(&rust).position(|(a, b)| a != b) {
-                panic!("{p:?}: op {i} differs: C++ {:?}, Rust {:?}", cpp[i], rust[i]);
+                panic!(
+                    "{p:?}: op {i} differs: C++ {:?}, Rust {:?}",
+                    cpp[i], rust[i]
+                );
             }
         }
         let _ = std::fs::remove_dir_all(&dir);

@@ -86,7 +86,11 @@ pub fn targets(ms: &[Measurement]) -> String {
                 parts.push(format!(
                     "{}{} {} {}",
                     m.case,
-                    if m.threads > 1 { format!("×{}", m.threads) } else { String::new() },
+                    if m.threads > 1 {
+                        format!("×{}", m.threads)
+                    } else {
+                        String::new()
+                    },
                     fmt_ns(m.ns_per_op),
                     if ok { "ok" } else { "MISSED" }
                 ));
@@ -99,7 +103,10 @@ pub fn targets(ms: &[Measurement]) -> String {
             let seq: Vec<String> = mt.iter().map(|m| fmt_ns(m.ns_per_op)).collect();
             parts.push(format!(
                 "threads {}: {} {}",
-                mt.iter().map(|m| m.threads.to_string()).collect::<Vec<_>>().join("/"),
+                mt.iter()
+                    .map(|m| m.threads.to_string())
+                    .collect::<Vec<_>>()
+                    .join("/"),
                 seq.join(" → "),
                 if falling { "falling ok" } else { "NOT FALLING" }
             ));
