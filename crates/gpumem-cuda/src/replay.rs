@@ -168,7 +168,7 @@ pub struct GpuReplay {
 impl GpuReplay {
     /// Opens device 0 and creates a stream for each stream of `trace`.
     pub fn open(trace: &Trace) -> Result<Self, String> {
-        driver::load().map_err(|e| e.to_string())?;
+        driver::load().map_err(|e| e.message)?;
         let ctx = CudaContext::new(0).map_err(|e| format!("cannot open CUDA device 0: {e}"))?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device 0".into());
         let mut stream_ids: Vec<u64> = Vec::new();

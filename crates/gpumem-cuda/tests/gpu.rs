@@ -17,9 +17,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 const MIB: u64 = 1 << 20;
 
 /// Tests measure the device's free memory: they take turns, whatever the runner's threads.
+/// Each first checks for a driver, so that a machine without one fails with a clear message
+/// (cudarc itself would panic on its first call).
 fn exclusive() -> MutexGuard<'static, ()> {
     static GPU: Mutex<()> = Mutex::new(());
-    GPU.lock().unwrap_or_else(|e| e.into_inner())
+    let guard = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    if let Err(e) = device_count() {
+        panic!("these tests need a CUDA GPU: {e}");
+    }
+    guard
 }
 
 fn gpu(policy: PolicyKind, conf: &str) -> CudaAllocator {

@@ -253,6 +253,7 @@ pub fn run(
     let target = if opts.sim {
         Target::Sim
     } else {
+        crate::driver::load().map_err(|e| e.message)?;
         Target::Cuda(DriverBaselines::open(0).map_err(|e| e.to_string())?)
     };
     let cases: Vec<Case> = cases(&opts.threads)
