@@ -1,0 +1,156 @@
+//! The benchmark's table for people: one row per case, one column per allocator, each gpumem
+//! figure with its ratio to PyTorch's anchor, then the issue's targets checked per policy.
+
+use super::{anchor, target, Measurement, MT_CASE};
+use comfy_table::presets::UTF8_FULL_CONDENSED;
+use comfy_table::{CellAlignment, ContentArrangement, Table};
+use std::fmt::Write;
+
+fn fmt_ns(ns: f64) -> String {
+    if ns >= 100.0 {
+        format!("{ns:.0}")
+    } else {
+        format!("{ns:.1}")
+    }
+}
+
+/// Rows (case, threads) and columns (allocators) in the order first seen.
+fn layout(ms: &[Measurement]) -> (Vec<(String, usize)>, Vec<String>) {
+    let mut rows: Vec<(String, usize)> = Vec::new();
+    let mut cols: Vec<String> = Vec::new();
+    for m in ms {
+        let r = (m.case.clone(), m.threads);
+        if !rows.contains(&r) {
+            rows.push(r);
+        }
+        if !cols.contains(&m.allocator) {
+            cols.push(m.allocator.clone());
+        }
+    }
+    (rows, cols)
+}
+
+/// The side-by-side table and the target check.
+pub fn render(ms: &[Measurement]) -> String {
+    let (rows, cols) = layout(ms);
+    let device = ms.first().map_or("cuda", |m| m.device.as_str());
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Dynamic);
+    let mut header = vec!["case".to_string(), "threads".to_string()];
+    header.extend(cols.iter().cloned());
+    header.extend(["PyTorch (anchor)".into(), "cudaMallocAsync (anchor)".into()]);
+    t.set_header(header);
+    for (case, threads) in &rows {
+        let (torch, asynca, _) = anchor(case, *threads);
+        let mut row = vec![case.clone(), threads.to_string()];
+        for c in &cols {
+            let cell = ms
+                .iter()
+                .find(|m| &m.case == case && m.threads == *threads && &m.allocator == c)
+                .map_or_else(String::new, |m| match m.ratio_to_torch_anchor {
+                    Some(r) if c.starts_with("gpumem:") => {
+                        format!("{} ({r:.2}×)", fmt_ns(m.ns_per_op))
+                    }
+                    _ => fmt_ns(m.ns_per_op),
+                });
+            row.push(cell);
+        }
+        row.push(torch.map_or_else(String::new, fmt_ns));
+        row.push(asynca.map_or_else(String::new, fmt_ns));
+        t.add_row(row);
+    }
+    for i in 1..t.column_count() {
+        if let Some(col) = t.column_mut(i) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    let mut s = format!(
+        "gpumem bench alloc ({device}): host ns per op (alloc or free), median of runs; \
+         multi-thread rows: wall time ÷ all threads' ops; (×) = ÷ PyTorch's anchor\n{t}\n"
+    );
+    s.push_str(&targets(ms));
+    s
+}
+
+/// One line per gpumem policy: each target of the issue, met or not.
+pub fn targets(ms: &[Measurement]) -> String {
+    let (_, cols) = layout(ms);
+    let mut s = String::from("targets (≤ 40 ns same-size, ≤ 100 ns random, multi-thread falling to ≤ 40 ns at 8 threads):\n");
+    for c in cols.iter().filter(|c| c.starts_with("gpumem:")) {
+        let mine: Vec<&Measurement> = ms.iter().filter(|m| &m.allocator == c).collect();
+        let mut parts = Vec::new();
+        for m in &mine {
+            if let Some(limit) = target(&m.case, m.threads) {
+                let ok = m.ns_per_op <= limit;
+                parts.push(format!(
+                    "{}{} {} {}",
+                    m.case,
+                    if m.threads > 1 {
+                        format!("×{}", m.threads)
+                    } else {
+                        String::new()
+                    },
+                    fmt_ns(m.ns_per_op),
+                    if ok { "ok" } else { "MISSED" }
+                ));
+            }
+        }
+        let mut mt: Vec<&&Measurement> = mine.iter().filter(|m| m.case == MT_CASE).collect();
+        mt.sort_by_key(|m| m.threads);
+        if mt.len() > 1 {
+            let falling = mt.windows(2).all(|w| w[1].ns_per_op < w[0].ns_per_op);
+            let seq: Vec<String> = mt.iter().map(|m| fmt_ns(m.ns_per_op)).collect();
+            parts.push(format!(
+                "threads {}: {} {}",
+                mt.iter()
+                    .map(|m| m.threads.to_string())
+                    .collect::<Vec<_>>()
+                    .join("/"),
+                seq.join(" → "),
+                if falling { "falling ok" } else { "NOT FALLING" }
+            ));
+        }
+        let _ = writeln!(s, "  {c}: {}", parts.join("; "));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(case: &str, threads: usize, allocator: &str, ns: f64) -> Measurement {
+        let torch = anchor(case, threads).0;
+        Measurement {
+            case: case.into(),
+            threads,
+            allocator: allocator.into(),
+            device: "cuda".into(),
+            ns_per_op: ns,
+            runs_ns_per_op: vec![ns],
+            ops_per_run: 1,
+            peak_held_bytes: None,
+            anchor_torch_ns: torch,
+            ratio_to_torch_anchor: torch.map(|t| ns / t),
+        }
+    }
+
+    #[test]
+    fn table_has_ratios_and_targets() {
+        let ms = vec![
+            m("same_1MiB", 1, "gpumem:stitched", 22.8),
+            m("same_1MiB", 1, "cudaMallocAsync", 400.0),
+            m(MT_CASE, 1, "gpumem:stitched", 60.0),
+            m(MT_CASE, 2, "gpumem:stitched", 40.0),
+            m(MT_CASE, 8, "gpumem:stitched", 45.0),
+        ];
+        let s = render(&ms);
+        assert!(s.contains("22.8 (0.10×)"), "{s}");
+        assert!(s.contains("228"), "{s}");
+        assert!(s.contains("same_1MiB 22.8 ok"), "{s}");
+        // 45 at 8 threads misses the 40 ns target, and 40 → 45 is not falling.
+        assert!(s.contains(&format!("{MT_CASE}×8 45.0 MISSED")), "{s}");
+        assert!(s.contains("60.0 → 40.0 → 45.0 NOT FALLING"), "{s}");
+    }
+}

@@ -1,0 +1,454 @@
+//! Tests on a real GPU. They are ignored by a plain `cargo test` (listed as "needs a CUDA
+//! GPU"); scripts/device/cuda.sh runs them on the GPU machine with `--ignored`, once directly
+//! and once under `compute-sanitizer --tool memcheck`.
+
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use gpumem_core::backend::{EventHandle, PhysHandle};
+use gpumem_core::policy::PolicyKind;
+use gpumem_core::trace::{Event, Kind, Trace};
+use gpumem_core::{AllocError, Config};
+use gpumem_cuda::bench::ops::Mt19937_64;
+use gpumem_cuda::replay::GpuReplay;
+use gpumem_cuda::{device_count, open_backend, CudaAllocator, DeviceBuffer};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+const MIB: u64 = 1 << 20;
+
+/// Tests measure the device's free memory: they take turns, whatever the runner's threads.
+/// Each first checks for a driver, so that a machine without one fails with a clear message
+/// (cudarc itself would panic on its first call).
+fn exclusive() -> MutexGuard<'static, ()> {
+    static GPU: Mutex<()> = Mutex::new(());
+    let guard = GPU.lock().unwrap_or_else(|e| e.into_inner());
+    if let Err(e) = device_count() {
+        panic!("these tests need a CUDA GPU: {e}");
+    }
+    guard
+}
+
+fn gpu(policy: PolicyKind, conf: &str) -> CudaAllocator {
+    let mut c = Config::parse(conf).expect("configuration");
+    c.policy = policy;
+    CudaAllocator::new(0, c).expect("CUDA device 0")
+}
+
+fn log_uniform(rng: &mut Mt19937_64, lo: u64, hi: u64) -> u64 {
+    let (a, b) = ((lo as f64).ln(), (hi as f64).ln());
+    (a + (b - a) * rng.uniform()).exp() as u64
+}
+
+fn free_bytes(ctx: &Arc<CudaContext>) -> u64 {
+    ctx.synchronize().expect("synchronize");
+    ctx.mem_get_info().expect("cuMemGetInfo").0 as u64
+}
+
+/// Fills `buf` with the 32-bit `pattern` on its own stream.
+fn fill(buf: &DeviceBuffer, pattern: u32) {
+    let words = (buf.len_bytes() / 4) as usize;
+    // SAFETY: the buffer holds at least `words` 32-bit words; its stream is live.
+    let r =
+        unsafe { sys::cuMemsetD32Async(buf.ptr(), pattern, words, buf.cuda_stream().cu_stream()) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuMemsetD32Async");
+}
+
+/// Reads `buf` back through cudarc (exercising `DevicePtr`) and checks every word.
+fn expect_pattern(buf: &DeviceBuffer, pattern: u32, what: &str) {
+    let words: Vec<u32> = buf.cuda_stream().clone_dtoh(buf).expect("copy to host");
+    assert_eq!(words.len() as u64, buf.len_bytes() / 4);
+    if let Some(i) = words.iter().position(|&w| w != pattern) {
+        panic!(
+            "{what}: block {:#x} ({} bytes) word {i} is {:#x}, expected {pattern:#x}",
+            buf.ptr(),
+            buf.len_bytes(),
+            words[i]
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_device_is_described() {
+    let _gpu = exclusive();
+    let n = device_count().expect("a CUDA driver and device");
+    assert!(n >= 1);
+    let b = open_backend(0).expect("backend of device 0");
+    let info = b.info();
+    assert!(info.total_bytes > 1 << 30, "{info:?}");
+    assert!(info.supports_vmm, "{info:?}");
+    assert!(
+        info.page_bytes.is_power_of_two() && info.page_bytes >= 64 << 10,
+        "{info:?}"
+    );
+    let e = open_backend(n).err().expect("no such device");
+    assert!(e.message.contains("no CUDA device"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_backend_refuses_what_it_did_not_hand_out() {
+    let _gpu = exclusive();
+    let mut b = open_backend(0).expect("backend");
+    assert!(b.mem_free(0xdead_0000, 4096).is_err());
+    assert!(b.mem_release(PhysHandle(0x1234)).is_err());
+    assert!(b.event_query(EventHandle(0x1)).is_err());
+    let p = b.mem_alloc(MIB).expect("cuMemAlloc");
+    assert!(b.mem_free(p, 2 * MIB).is_err(), "wrong size");
+    b.mem_free(p, MIB).expect("cuMemFree");
+    assert!(b.mem_free(p, MIB).is_err(), "double free");
+    let page = b.info().page_bytes;
+    let va = b.address_reserve(4 * page).expect("reserve");
+    let h = b.mem_create(page).expect("create");
+    b.mem_map(va, page, h).expect("map");
+    b.set_access(va, page).expect("access");
+    assert!(b.mem_release(h).is_err(), "release while mapped");
+    assert!(b.address_free(va, 4 * page).is_err(), "free while mapped");
+    // Events: NOT_READY is "not yet", not an error; a recorded event completes.
+    let e = b.event_record(0).expect("record");
+    b.event_synchronize(e).expect("synchronize");
+    assert!(b.event_query(e).expect("query"));
+    b.event_destroy(e);
+    b.mem_unmap(va, page).expect("unmap");
+    b.mem_release(h).expect("release");
+    b.address_free(va, 4 * page).expect("free range");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_policy_allocates_and_frees_a_random_mix() {
+    let _gpu = exclusive();
+    let ctx = CudaContext::new(0).expect("context");
+    let stream = ctx.new_stream().expect("stream");
+    for policy in PolicyKind::ALL {
+        let before = free_bytes(&ctx);
+        let a = gpu(policy, "");
+        let mut rng = Mt19937_64::new(11);
+        let mut live: Vec<DeviceBuffer> = Vec::new();
+        for _ in 0..3000 {
+            if live.len() < 64 && (live.is_empty() || rng.uniform() < 0.55) {
+                let size = log_uniform(&mut rng, 512, 64 * MIB);
+                let b = a.alloc(size, &stream).expect("allocation");
+                assert!(b.ptr() != 0 && b.block_bytes() >= size);
+                live.push(b);
+            } else {
+                let i = (rng.uniform() * live.len() as f64) as usize;
+                live.swap_remove(i.min(live.len() - 1));
+            }
+        }
+        a.engine().check().expect("invariants");
+        let held = a.engine().held_bytes();
+        assert!(held > 0);
+        live.clear();
+        let st = a.memory_stats();
+        assert_eq!(st.allocated_bytes.all.current, 0, "{}", policy.name());
+        a.empty_cache().expect("empty_cache");
+        assert_eq!(
+            a.engine().held_bytes(),
+            0,
+            "{}: cache not emptied",
+            policy.name()
+        );
+        drop(a);
+        let after = free_bytes(&ctx);
+        assert!(
+            after + 4 * MIB >= before,
+            "{}: {} bytes did not come back",
+            policy.name(),
+            before - after
+        );
+    }
+}
+
+/// Each live block holds its own pattern; blocks around it come and go (on two streams, so
+/// the stitched policy hands pages between streams); every block is read back intact. This is
+/// what shows that a policy never hands out memory a live block uses, and that the stitched
+/// policy's page mapping is right on real hardware.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn patterns_survive_their_neighbours() {
+    let _gpu = exclusive();
+    for policy in PolicyKind::ALL {
+        let a = gpu(policy, "");
+        let streams = [
+            a.context().new_stream().expect("stream"),
+            a.context().new_stream().expect("stream"),
+        ];
+        let mut rng = Mt19937_64::new(23);
+        let mut live: Vec<(DeviceBuffer, u32)> = Vec::new();
+        let mut next_pattern = 0x5a00_0001u32;
+        for step in 0..1200 {
+            if live.len() < 48 && (live.is_empty() || rng.uniform() < 0.55) {
+                // Mostly small blocks that share pages, some that span several pages.
+                let size = if rng.uniform() < 0.8 {
+                    log_uniform(&mut rng, 512, 2 * MIB)
+                } else {
+                    log_uniform(&mut rng, 2 * MIB, 24 * MIB)
+                } / 4
+                    * 4;
+                let s = &streams[(rng.uniform() * 2.0) as usize % 2];
+                let b = a.alloc(size.max(4), s).expect("allocation");
+                next_pattern = next_pattern.wrapping_add(0x0101_0101);
+                fill(&b, next_pattern);
+                live.push((b, next_pattern));
+            } else {
+                let i = ((rng.uniform() * live.len() as f64) as usize).min(live.len() - 1);
+                live.swap_remove(i);
+            }
+            if step % 200 == 199 {
+                for (b, p) in &live {
+                    expect_pattern(b, *p, &format!("{} step {step}", policy.name()));
+                }
+            }
+        }
+        for (b, p) in &live {
+            expect_pattern(b, *p, &format!("{} at the end", policy.name()));
+        }
+        a.engine().check().expect("invariants");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn record_stream_defers_reuse_until_the_other_stream_is_done() {
+    let _gpu = exclusive();
+    for policy in PolicyKind::ALL {
+        let a = gpu(policy, "");
+        let s1 = a.context().new_stream().expect("stream");
+        let s2 = a.context().new_stream().expect("stream");
+        let busy = a.alloc(1 << 30, &s2).expect("1 GiB");
+        let buf = a.alloc(8 * MIB, &s1).expect("8 MiB");
+        let (p0, len0) = (buf.ptr(), buf.block_bytes());
+        // Keep s2 busy for a while (each 1 GiB memset takes a fraction of a millisecond), then
+        // use `buf` there, and say so.
+        for i in 0..200u32 {
+            fill(&busy, i);
+        }
+        // SAFETY: `buf` holds 8 MiB; s2 is live.
+        let r = unsafe { sys::cuMemsetD32Async(buf.ptr(), 7, (2 * MIB) as usize, s2.cu_stream()) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS);
+        buf.record_stream(&s2).expect("record_stream");
+        drop(buf);
+        // SAFETY: a live stream.
+        let q = unsafe { sys::cuStreamQuery(s2.cu_stream()) };
+        assert_eq!(
+            q,
+            CUresult::CUDA_ERROR_NOT_READY,
+            "s2 finished too early for the test to mean anything"
+        );
+        let b2 = a.alloc(8 * MIB, &s1).expect("8 MiB again");
+        let overlaps = b2.ptr() < p0 + len0 && p0 < b2.ptr() + b2.block_bytes();
+        assert!(!overlaps, "{}: reused a block s2 still uses", policy.name());
+        let st = a.memory_stats();
+        let pending = st.active_bytes.all.current - st.allocated_bytes.all.current;
+        assert!(
+            pending >= 8 * MIB as i64,
+            "{}: the freed block is not pending",
+            policy.name()
+        );
+        s2.synchronize().expect("synchronize s2");
+        let b3 = a.alloc(4096, &s1).expect("small");
+        let st = a.memory_stats();
+        assert_eq!(
+            st.active_bytes.all.current,
+            st.allocated_bytes.all.current,
+            "{}: the block was not released once s2 finished",
+            policy.name()
+        );
+        drop((b2, b3, busy));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn out_of_memory_under_a_cap_is_an_error() {
+    let _gpu = exclusive();
+    for policy in PolicyKind::ALL {
+        let a = gpu(policy, "cap:256MiB");
+        let s = a.context().new_stream().expect("stream");
+        let x = a.alloc(100 * MIB, &s).expect("first 100 MiB");
+        let y = a.alloc(100 * MIB, &s).expect("second 100 MiB");
+        match a.alloc(200 * MIB, &s) {
+            Err(AllocError::OutOfMemory(r)) => {
+                assert_eq!(r.cap, Some(256 * MIB), "{}", policy.name());
+                assert!(r.to_string().contains("out of memory"));
+            }
+            other => panic!("{}: expected out of memory, got {other:?}", policy.name()),
+        }
+        drop(x);
+        let z = a.alloc(100 * MIB, &s).expect("room again after a free");
+        drop((y, z));
+    }
+}
+
+const FILL_PTX: &str = r#"
+.version 6.0
+.target sm_50
+.address_size 64
+
+.visible .entry fill_u32(
+    .param .u64 out,
+    .param .u32 value,
+    .param .u64 n
+)
+{
+    .reg .pred %p;
+    .reg .b32 %r<5>;
+    .reg .b64 %rd<6>;
+
+    ld.param.u64 %rd1, [out];
+    ld.param.u32 %r1, [value];
+    ld.param.u64 %rd2, [n];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mad.lo.u32 %r2, %r2, %r3, %r4;
+    cvt.u64.u32 %rd3, %r2;
+    setp.ge.u64 %p, %rd3, %rd2;
+    @%p bra DONE;
+    cvta.to.global.u64 %rd4, %rd1;
+    shl.b64 %rd5, %rd3, 2;
+    add.u64 %rd4, %rd4, %rd5;
+    st.global.u32 [%rd4], %r1;
+DONE:
+    ret;
+}
+"#;
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn buffers_free_on_drop_and_work_with_cudarc() {
+    let _gpu = exclusive();
+    let a = gpu(PolicyKind::Stitched, "");
+    let stream: Arc<CudaStream> = a.context().new_stream().expect("stream");
+    let n = (MIB + 3) as usize; // words
+    let mut buf = a.alloc(4 * n as u64, &stream).expect("allocation");
+    assert_eq!(
+        a.memory_stats().allocated_bytes.all.current,
+        buf.block_bytes() as i64
+    );
+    // Copies through cudarc's DevicePtr / DevicePtrMut.
+    let host: Vec<u32> = (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    stream.memcpy_htod(&host, &mut buf).expect("host to device");
+    let back: Vec<u32> = stream.clone_dtoh(&buf).expect("device to host");
+    assert_eq!(back, host);
+    // A kernel launched through cudarc with the buffer as its argument.
+    let module = a
+        .context()
+        .load_module(Ptx::from_src(FILL_PTX))
+        .expect("load PTX");
+    let f = module.load_function("fill_u32").expect("kernel");
+    let value = 0xC0FF_EE00u32;
+    let n64 = n as u64;
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&mut buf).arg(&value).arg(&n64);
+    // SAFETY: fill_u32(out, value, n) writes n u32 words at out; the buffer holds n words.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.expect("launch");
+    let back: Vec<u32> = stream.clone_dtoh(&buf).expect("device to host");
+    assert!(back.iter().all(|&w| w == value));
+    drop(buf);
+    assert_eq!(
+        a.memory_stats().allocated_bytes.all.current,
+        0,
+        "freed on drop"
+    );
+    // Raw streams (as PyTorch passes them) work too.
+    // SAFETY: the stream outlives the buffer.
+    let raw = unsafe { a.alloc_on_raw(MIB, stream.cu_stream() as usize as u64) }.expect("raw");
+    assert_eq!(raw.raw_stream(), stream.cu_stream() as usize as u64);
+    drop(raw);
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+}
+
+/// PyTorch calls allocators from threads with no current context (autograd's worker thread):
+/// the backend makes the primary context current itself.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn threads_without_a_context_can_allocate() {
+    let _gpu = exclusive();
+    let a = gpu(PolicyKind::Caching, "");
+    let a2 = a.clone();
+    std::thread::spawn(move || {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a valid place for the result.
+        unsafe { sys::cuCtxGetCurrent(&mut cur) };
+        assert!(cur.is_null(), "a fresh thread has no current context");
+        // SAFETY: 0 is the legacy default stream, always valid.
+        let b = unsafe { a2.alloc_on_raw(3 * MIB, 0) }.expect("allocation on a bare thread");
+        assert!(b.ptr() != 0);
+        // SAFETY: as above.
+        unsafe { sys::cuCtxGetCurrent(&mut cur) };
+        assert_eq!(
+            cur,
+            a2.context().cu_ctx(),
+            "the primary context was made current"
+        );
+    })
+    .join()
+    .expect("thread");
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+}
+
+/// A synthetic trace replayed on the GPU: every block written, physical memory close to the
+/// accounting, and all of it returned afterwards.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn replay_writes_every_block_and_returns_the_memory() {
+    let _gpu = exclusive();
+    let mut rng = Mt19937_64::new(5);
+    let mut events = Vec::new();
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    let (mut t, mut addr, mut written) = (0u64, 0x7f00_0000_0000u64, 0u64);
+    let mut ev = |kind, addr, size, t: &mut u64| {
+        *t += 1;
+        events.push(Event {
+            kind,
+            stream: 0,
+            addr,
+            size,
+            time_us: *t,
+        });
+    };
+    for _ in 0..400 {
+        if live.len() < 40 && (live.is_empty() || rng.uniform() < 0.6) {
+            let size = log_uniform(&mut rng, 512, 32 * MIB);
+            addr += 64 * MIB;
+            ev(Kind::Alloc, addr, size, &mut t);
+            live.push((addr, size));
+            written += size;
+        } else {
+            let (p, s) = live
+                .swap_remove(((rng.uniform() * live.len() as f64) as usize).min(live.len() - 1));
+            ev(Kind::FreeRequested, p, s, &mut t);
+            ev(Kind::FreeCompleted, p, s, &mut t);
+        }
+    }
+    let trace = Trace {
+        events,
+        ..Trace::default()
+    };
+    let g = GpuReplay::open(&trace).expect("device");
+    for policy in PolicyKind::ALL {
+        let r = g
+            .run(&trace, policy, &Config::default(), false)
+            .expect("replay");
+        assert_eq!(r.ooms, 0);
+        assert_eq!(r.bytes_written, written, "{}", policy.name());
+        assert!(r.gpu_peak_held_bytes >= r.peak_live_bytes, "{r:?}");
+        // The driver hands out at least what gpumem holds, and not much more.
+        assert!(
+            r.physical_peak_bytes + 4 * MIB >= r.gpu_peak_held_bytes,
+            "{}: physical {} < held {}",
+            policy.name(),
+            r.physical_peak_bytes,
+            r.gpu_peak_held_bytes
+        );
+        assert!(
+            r.physical_peak_bytes <= r.gpu_peak_held_bytes + r.gpu_peak_held_bytes / 10 + 64 * MIB,
+            "{r:?}"
+        );
+        assert!(r.not_returned_bytes <= 4 << 20, "{r:?}");
+    }
+}

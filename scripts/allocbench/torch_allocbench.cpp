@@ -1,0 +1,134 @@
+// PyTorch's caching allocator on gpumem's allocation-benchmark sequences (ops.h).
+//
+// scripts/bench_torch_alloc.py builds this with torch.utils.cpp_extension (only c10 headers, no
+// Python bindings) and calls it through ctypes. Each call generates its sequences first, then
+// times the loop of c10::cuda::CUDACachingAllocator::raw_alloc_with_stream / raw_delete and
+// nothing else.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+void report(char* err, int err_len, const std::string& msg) {
+  if (err && err_len > 0) std::snprintf(err, static_cast<size_t>(err_len), "%s", msg.c_str());
+}
+
+// Runs one thread's sequence on `stream`; returns false (with the message) on failure.
+bool run_sequence(const std::vector<gpumem_bench::Op>& ops, cudaStream_t stream,
+                  std::vector<void*>& slots, std::string& error) {
+  try {
+    for (const auto& op : ops) {
+      if (op.size > 0) {
+        slots[op.slot] = cca::raw_alloc_with_stream(static_cast<size_t>(op.size), stream);
+      } else {
+        cca::raw_delete(slots[op.slot]);
+        slots[op.slot] = nullptr;
+      }
+    }
+    return true;
+  } catch (const std::exception& e) {
+    error = e.what();
+  } catch (...) {
+    error = "unknown exception";
+  }
+  for (void*& p : slots) {
+    if (p) {
+      cca::raw_delete(p);
+      p = nullptr;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+// Aggregate ns per op (wall time / all ops) of `threads` threads, thread t running the
+// sequence of seed `seed + t`, all starting together. One thread runs on the calling thread's
+// current stream (the default stream, as in the anchor); several threads each take a stream
+// from PyTorch's pool when `own_streams` is set (else all use the default stream). Returns a
+// negative number, with the message in `err`, on failure.
+extern "C" double gpumem_torch_run(int64_t n_allocs, int64_t max_live, int64_t min_size,
+                                   int64_t max_size, uint64_t seed, int64_t threads,
+                                   int own_streams, char* err, int err_len) {
+  try {
+    if (threads < 1) {
+      report(err, err_len, "threads must be at least 1");
+      return -1.0;
+    }
+    std::vector<std::vector<gpumem_bench::Op>> seqs;
+    int64_t total = 0;
+    for (int64_t t = 0; t < threads; ++t) {
+      seqs.push_back(gpumem_bench::make_ops(n_allocs, max_live, min_size, max_size, seed + t));
+      total += static_cast<int64_t>(seqs.back().size());
+    }
+    std::vector<cudaStream_t> streams;
+    for (int64_t t = 0; t < threads; ++t) {
+      if (threads > 1 && own_streams) {
+        streams.push_back(c10::cuda::getStreamFromPool(false, 0).stream());
+      } else {
+        streams.push_back(c10::cuda::getCurrentCUDAStream(0).stream());
+      }
+    }
+    std::atomic<int64_t> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<std::string> errors(threads);
+    std::vector<char> ok(threads, 1);
+    std::vector<std::thread> pool;
+    for (int64_t t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        cudaSetDevice(0);
+        std::vector<void*> slots(static_cast<size_t>(max_live), nullptr);
+        ready++;
+        while (!go.load()) {
+        }
+        ok[t] = run_sequence(seqs[t], streams[t], slots, errors[t]);
+      });
+    }
+    while (ready.load() < threads) {
+    }
+    auto start = Clock::now();
+    go = true;
+    for (auto& th : pool) th.join();
+    double ns = std::chrono::duration<double, std::nano>(Clock::now() - start).count() /
+                static_cast<double>(total);
+    cudaError_t sync = cudaDeviceSynchronize();
+    for (int64_t t = 0; t < threads; ++t) {
+      if (!ok[t]) {
+        report(err, err_len, "thread " + std::to_string(t) + ": " + errors[t]);
+        return -1.0;
+      }
+    }
+    if (sync != cudaSuccess) {
+      report(err, err_len, std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(sync));
+      return -1.0;
+    }
+    return ns;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  } catch (...) {
+    report(err, err_len, "unknown exception");
+  }
+  return -1.0;
+}
+
+// Number of ops in a sequence (to check the Python side's bookkeeping).
+extern "C" int64_t gpumem_torch_count_ops(int64_t n_allocs, int64_t max_live, int64_t min_size,
+                                          int64_t max_size, uint64_t seed) {
+  return static_cast<int64_t>(
+      gpumem_bench::make_ops(n_allocs, max_live, min_size, max_size, seed).size());
+}
