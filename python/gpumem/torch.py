@@ -93,13 +93,18 @@ def _function_address(lib: ctypes.CDLL, name: str) -> int:
 def _bind_torch_oom(torch: Any) -> Optional[str]:
     """Make gpumem's out-of-memory errors torch.cuda.OutOfMemoryError. Returns why not."""
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    try:
-        _native.torch_bind_c10(
-            os.path.join(lib_dir, "libc10.so"), os.path.join(lib_dir, "libc10_cuda.so")
-        )
-        return None
-    except GpumemError as e:
-        return str(e)
+    attempts = [
+        (os.path.join(lib_dir, "libc10.so"), os.path.join(lib_dir, "libc10_cuda.so")),
+        ("libc10.so", "libc10_cuda.so"),  # by soname, as libtorch loaded them
+    ]
+    problems = []
+    for libc10, libc10_cuda in attempts:
+        try:
+            _native.torch_bind_c10(libc10, libc10_cuda)
+            return None
+        except GpumemError as e:
+            problems.append(str(e))
+    return "; ".join(problems)
 
 
 def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:

@@ -48,7 +48,7 @@ print(json.dumps({
     )
     losses = r["losses"]
     assert all(l == l for l in losses), "no NaN"
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[-1] < 0.9 * losses[0], losses
     s = r["stats"]
     assert set(s) == TORCH_STAT_KEYS
     # Live: parameters, AdamW's two moments, x and y at least.
