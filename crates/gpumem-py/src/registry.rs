@@ -77,15 +77,22 @@ pub struct Counters {
     pub free_errors: AtomicU64,
     /// `record_stream` on memory that is not gpumem's (ignored, as PyTorch's allocator does).
     pub record_stream_foreign: AtomicU64,
-    /// Other failures of `record_stream`, `empty_cache` and `set_memory_fraction`.
+    /// Other failures of `record_stream` and `empty_cache`.
     pub other_errors: AtomicU64,
-    warned: [AtomicBool; 5],
+    /// Whether each kind of report (indexed by the `WARN_*` constants) was printed already.
+    warned: [AtomicBool; 4],
 }
 
+const WARN_FOREIGN: usize = 0;
+const WARN_DOUBLE_FREE: usize = 1;
+const WARN_FREE_ERROR: usize = 2;
+const WARN_OTHER: usize = 3;
+
 impl Counters {
-    fn count(&self, which: usize, counter: &AtomicU64, message: impl FnOnce() -> String) {
+    /// Counts one event in `counter`; prints `message` the first time a `kind` is reported.
+    fn count(&self, kind: usize, counter: &AtomicU64, message: impl FnOnce() -> String) {
         counter.fetch_add(1, Ordering::Relaxed);
-        if !self.warned[which].swap(true, Ordering::Relaxed) {
+        if !self.warned[kind].swap(true, Ordering::Relaxed) {
             // Once per kind: a program freeing foreign pointers in a loop must not flood stderr.
             eprintln!(
                 "gpumem: warning: {} (later occurrences are only counted: gpumem.torch.error_counts())",
@@ -304,7 +311,7 @@ impl Registry {
         }
         let c = &self.counters;
         let Some(slot) = usize::try_from(device).ok().and_then(|d| self.get(d)) else {
-            c.count(0, &c.foreign_frees, || {
+            c.count(WARN_FOREIGN, &c.foreign_frees, || {
                 format!("free of {ptr:#x} on device {device}, where gpumem allocated nothing")
             });
             return FreeOutcome::Foreign;
@@ -312,19 +319,19 @@ impl Registry {
         match slot.alloc.free_on(ptr, stream) {
             Ok(()) => FreeOutcome::Freed,
             Err(AllocError::UnknownPointer { .. }) => {
-                c.count(0, &c.foreign_frees, || {
+                c.count(WARN_FOREIGN, &c.foreign_frees, || {
                     format!("free of {ptr:#x}, which gpumem did not allocate on device {device}")
                 });
                 FreeOutcome::Foreign
             }
             Err(AllocError::DoubleFree { .. }) => {
-                c.count(1, &c.double_frees, || {
+                c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
                     format!("double free of {ptr:#x} on device {device}")
                 });
                 FreeOutcome::DoubleFree
             }
             Err(e) => {
-                c.count(2, &c.free_errors, || {
+                c.count(WARN_FREE_ERROR, &c.free_errors, || {
                     format!("free of {ptr:#x} on device {device} failed: {e}")
                 });
                 FreeOutcome::Failed
@@ -347,7 +354,7 @@ impl Registry {
                 Ok(()) => return true,
                 Err(AllocError::UnknownPointer { .. } | AllocError::DoubleFree { .. }) => {}
                 Err(e) => {
-                    c.count(4, &c.other_errors, || {
+                    c.count(WARN_OTHER, &c.other_errors, || {
                         format!("record_stream of {ptr:#x} on stream {stream:#x} failed: {e}")
                     });
                     return false;
@@ -368,7 +375,7 @@ impl Registry {
                 Ok(b) => released += b,
                 Err(e) => {
                     let c = &self.counters;
-                    c.count(4, &c.other_errors, || {
+                    c.count(WARN_OTHER, &c.other_errors, || {
                         format!("empty_cache on device {d} failed: {e}")
                     });
                 }
