@@ -46,6 +46,8 @@ def test_default_policy_counts_exactly_and_holds_whole_pages():
     s = a.memory_stats()
     assert s["requested_bytes.all.current"] == 1000 + 5 * MIB + 300 * 1024
     assert s["allocated_bytes.all.current"] == 1024 + 5 * MIB + 300 * 1024
+    assert s["allocated_bytes.small_pool.current"] == 1024 + 300 * 1024
+    assert s["allocated_bytes.large_pool.current"] == 5 * MIB
     assert s["allocation.all.current"] == 3
     held = s["reserved_bytes.all.current"]
     assert held % (2 * MIB) == 0 and held >= s["allocated_bytes.all.current"]
