@@ -6,3 +6,12 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+# The Python module's Rust code (feature `python`, left out of the workspace build so that
+# `cargo test` need not link libpython).
+cargo clippy -p gpumem-py --features python --all-targets -- -D warnings
+# The Python package: build the extension into a virtualenv, run its tests on the simulated
+# device (the GPU tests skip themselves with the reason).
+python3 -m venv .venv
+.venv/bin/python -m pip install --quiet maturin pytest
+VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --quiet
+.venv/bin/python -m pytest tests/python -q -rs -p no:cacheprovider

@@ -1,0 +1,228 @@
+// The C++ side of gpumem's PyTorch allocator.
+//
+// PyTorch's CUDAPluggableAllocator calls `void* alloc(size_t, int, cudaStream_t)` and uses the
+// pointer it gets without checking it, so a failed allocation has to reach PyTorch as a C++
+// exception thrown from that call. The allocator itself is Rust (src/torch_abi.rs); when it
+// fails, it calls gpumem_shim_throw() below, and the exception unwinds through the Rust frame
+// (declared "C-unwind") into PyTorch.
+//
+// Which exception: PyTorch turns a c10::OutOfMemoryError into torch.OutOfMemoryError
+// (torch.cuda.OutOfMemoryError) and any other std::exception into RuntimeError. gpumem does not
+// link against libtorch (the wheel must import without torch), so it binds c10's
+// OutOfMemoryError at run time, once torch is loaded (gpumem_shim_bind_c10): it looks up, by
+// their exported names, c10::Error's constructor in libc10.so and OutOfMemoryError's vtable and
+// type_info in libc10_cuda.so, checks them, and from then on throws a genuine
+// c10::OutOfMemoryError built by c10's own constructor. When that binding is unavailable (no
+// torch, another C++ ABI, symbols renamed in a later torch), it throws
+// gpumem::OutOfMemoryError, a std::runtime_error that PyTorch reports as RuntimeError; the
+// message starts with "CUDA out of memory." either way.
+
+#include <cxxabi.h>
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <typeinfo>
+
+extern "C" {
+// Defined in Rust (src/torch_abi.rs). May throw what gpumem_shim_throw throws.
+void* gpumem_torch_alloc(size_t size, int device, void* stream);
+}
+
+namespace gpumem {
+
+// The exception thrown when c10::OutOfMemoryError is not bound.
+class OutOfMemoryError : public std::runtime_error {
+ public:
+  explicit OutOfMemoryError(const std::string& what) : std::runtime_error(what) {}
+  ~OutOfMemoryError() override;
+};
+// Out of line: the key function, so that the vtable and type_info are emitted here once.
+OutOfMemoryError::~OutOfMemoryError() = default;
+
+// Any other failure of the allocator (no driver, bad device, too many streams...).
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+  ~Error() override;
+};
+Error::~Error() = default;
+
+}  // namespace gpumem
+
+namespace {
+
+constexpr int kErrOutOfMemory = 1;
+
+// c10::SourceLocation, passed by value to c10::Error's constructor. Its layout (two pointers
+// and a 32-bit line) has been the same in every PyTorch 2.x release.
+struct SourceLocation {
+  const char* function;
+  const char* file;
+  uint32_t line;
+};
+
+// c10::Error::Error(c10::SourceLocation, std::string): the base-object constructor, called
+// with `this` as first argument (Itanium C++ ABI). Declaring it as a free function with the
+// same parameters makes the compiler pass the SourceLocation and the std::string exactly as a
+// call to the constructor would.
+using ErrorCtor = void (*)(void* self, SourceLocation where, std::string msg);
+
+constexpr const char* kErrorCtorSymbol =
+    "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE";
+constexpr const char* kOomTypeinfoSymbol = "_ZTIN3c1016OutOfMemoryErrorE";
+constexpr const char* kOomVtableSymbol = "_ZTVN3c1016OutOfMemoryErrorE";
+constexpr const char* kOomTypeName = "N3c1016OutOfMemoryErrorE";
+constexpr const char* kErrorTypeName = "N3c105ErrorE";
+
+// Bytes reserved for the exception object: c10::Error is 128 bytes in PyTorch 2.11 (x86-64);
+// the constructor writes only its own fields, so a larger buffer is harmless and leaves room
+// for fields later releases may add.
+constexpr size_t kC10ErrorBytes = 1024;
+
+struct C10Binding {
+  ErrorCtor ctor;
+  std::type_info* oom_type;
+  void* oom_vptr;  // address point of OutOfMemoryError's vtable
+};
+
+C10Binding g_binding;
+std::atomic<bool> g_bound{false};
+
+void copy_out(const std::string& s, char* buf, size_t len) {
+  if (buf == nullptr || len == 0) return;
+  size_t n = s.size() < len - 1 ? s.size() : len - 1;
+  std::memcpy(buf, s.data(), n);
+  buf[n] = '\0';
+}
+
+// Destroys a thrown c10::OutOfMemoryError: a virtual destructor call through std::exception,
+// c10::Error's primary base, reaches the complete-object destructor in c10's vtable.
+void destroy_c10_error(void* p) { static_cast<std::exception*>(p)->~exception(); }
+
+[[noreturn]] void throw_c10_oom(std::string text) {
+  void* obj = __cxxabiv1::__cxa_allocate_exception(kC10ErrorBytes);
+  std::memset(obj, 0, kC10ErrorBytes);
+  try {
+    g_binding.ctor(obj, SourceLocation{"gpumem_torch_alloc", "gpumem/shim/torch_shim.cpp", __LINE__},
+                   std::move(text));
+  } catch (...) {
+    __cxxabiv1::__cxa_free_exception(obj);
+    throw;
+  }
+  // What OutOfMemoryError's (inherited) constructor does after c10::Error's: install its vtable.
+  *static_cast<void**>(obj) = g_binding.oom_vptr;
+  __cxxabiv1::__cxa_throw(obj, g_binding.oom_type, &destroy_c10_error);
+}
+
+std::string demangle(const char* name) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  if (status != 0 || d == nullptr) return name;
+  std::string s(d);
+  std::free(d);
+  return s;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Throws the exception for an allocator failure of `kind` (1: out of memory, else another
+// error) with the given message. Called from Rust; never returns.
+[[noreturn]] void gpumem_shim_throw(int kind, const char* msg, size_t len) {
+  std::string text(msg, len);
+  if (kind == kErrOutOfMemory) {
+    if (g_bound.load(std::memory_order_acquire)) throw_c10_oom(std::move(text));
+    throw gpumem::OutOfMemoryError(text);
+  }
+  throw gpumem::Error(text);
+}
+
+// Binds c10::OutOfMemoryError from the already loaded libc10.so and libc10_cuda.so (paths or
+// sonames). Returns 0 on success, else 1 with the reason in `err`. Loads nothing new
+// (RTLD_NOLOAD): the libraries must be those of the torch imported in this process.
+int gpumem_shim_bind_c10(const char* libc10, const char* libc10_cuda, char* err, size_t err_len) {
+  void* h_c10 = dlopen(libc10, RTLD_NOW | RTLD_NOLOAD);
+  if (h_c10 == nullptr) {
+    const char* e = dlerror();
+    copy_out(std::string(libc10) + " is not loaded in this process (import torch first)" +
+                 (e ? std::string(": ") + e : std::string()),
+             err, err_len);
+    return 1;
+  }
+  void* h_cuda = dlopen(libc10_cuda, RTLD_NOW | RTLD_NOLOAD);
+  if (h_cuda == nullptr) {
+    copy_out(std::string(libc10_cuda) + " is not loaded in this process (is this a CUDA build of torch?)",
+             err, err_len);
+    return 1;
+  }
+  void* ctor = dlsym(h_c10, kErrorCtorSymbol);
+  void* type = dlsym(h_cuda, kOomTypeinfoSymbol);
+  void* vtable = dlsym(h_cuda, kOomVtableSymbol);
+  if (type == nullptr) type = dlsym(h_c10, kOomTypeinfoSymbol);
+  if (vtable == nullptr) vtable = dlsym(h_c10, kOomVtableSymbol);
+  if (ctor == nullptr || type == nullptr || vtable == nullptr) {
+    copy_out(std::string("c10 does not export ") +
+                 (ctor == nullptr ? "c10::Error(SourceLocation, std::string) with this C++ ABI"
+                                  : "c10::OutOfMemoryError's type_info and vtable"),
+             err, err_len);
+    return 1;
+  }
+  // Check what the symbols point at before trusting them: the type is named
+  // c10::OutOfMemoryError and derives (single, public) from c10::Error, and the vtable starts
+  // with offset-to-top 0 and the same type's name (Itanium ABI layout).
+  auto* ti = static_cast<std::type_info*>(type);
+  auto* si = dynamic_cast<const abi::__si_class_type_info*>(ti);
+  if (std::strcmp(ti->name(), kOomTypeName) != 0 || si == nullptr ||
+      std::strcmp(si->__base_type->name(), kErrorTypeName) != 0) {
+    copy_out("c10::OutOfMemoryError's type_info does not have the expected shape", err, err_len);
+    return 1;
+  }
+  auto** vt = static_cast<void**>(vtable);
+  auto* vt_type = static_cast<const std::type_info*>(vt[1]);
+  if (reinterpret_cast<intptr_t>(vt[0]) != 0 || vt_type == nullptr ||
+      std::strcmp(vt_type->name(), kOomTypeName) != 0) {
+    copy_out("c10::OutOfMemoryError's vtable does not have the expected shape", err, err_len);
+    return 1;
+  }
+  g_binding.ctor = reinterpret_cast<ErrorCtor>(ctor);
+  g_binding.oom_type = ti;
+  g_binding.oom_vptr = &vt[2];
+  g_bound.store(true, std::memory_order_release);
+  return 0;
+}
+
+// 1 when out-of-memory failures are thrown as c10::OutOfMemoryError, 0 when as
+// gpumem::OutOfMemoryError (a std::runtime_error).
+int gpumem_shim_oom_is_c10(void) { return g_bound.load(std::memory_order_acquire) ? 1 : 0; }
+
+// Calls gpumem_torch_alloc as PyTorch does and catches what it throws, for tests: returns 0
+// with *out set, or 1 (a std::exception: its demangled type and what() copied out), or 2
+// (anything else).
+int gpumem_shim_call_alloc(size_t size, int device, void* stream, void** out, char* type_buf,
+                           size_t type_len, char* msg_buf, size_t msg_len) {
+  try {
+    *out = gpumem_torch_alloc(size, device, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    std::type_info* t = abi::__cxa_current_exception_type();
+    copy_out(t ? demangle(t->name()) : std::string("?"), type_buf, type_len);
+    copy_out(e.what(), msg_buf, msg_len);
+    return 1;
+  } catch (...) {
+    std::type_info* t = abi::__cxa_current_exception_type();
+    copy_out(t ? demangle(t->name()) : std::string("?"), type_buf, type_len);
+    copy_out("", msg_buf, msg_len);
+    return 2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,246 @@
+//! The functions behind `gpumem.torch`: they act on the process-wide registry whose allocators
+//! PyTorch's pluggable allocator calls (through the C functions of `torch_abi`).
+
+use super::{segments_list, stats_dict, unpickle, GpumemError, OutOfMemoryError};
+use crate::registry::{global, sim_source, FreeOutcome, TorchError, MAX_DEVICES};
+use crate::torch_abi::{bind_c10, call_alloc_from_cpp, oom_is_c10, CallOutcome};
+use gpumem_core::policy::BlockKind;
+use gpumem_core::report::{snapshot::snapshot_pickle, summary::memory_summary};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use pyo3::wrap_pyfunction;
+
+fn device(d: i64) -> PyResult<usize> {
+    usize::try_from(d)
+        .ok()
+        .filter(|&d| d < MAX_DEVICES)
+        .ok_or_else(|| PyValueError::new_err(format!("invalid CUDA device index {d}")))
+}
+
+fn torch_err(e: TorchError) -> PyErr {
+    match e {
+        TorchError::OutOfMemory(m) => OutOfMemoryError::new_err(m),
+        TorchError::Other(m) => GpumemError::new_err(m),
+    }
+}
+
+/// Fixes the configuration of the PyTorch allocators (conf, or GPUMEM_CONF when None).
+/// Returns the configuration text in force.
+#[pyfunction]
+#[pyo3(signature = (conf=None))]
+fn torch_configure(conf: Option<&str>) -> PyResult<String> {
+    global().configure(conf).map_err(PyValueError::new_err)
+}
+
+/// The configuration text in force, or None before the first configuration.
+#[pyfunction]
+fn torch_conf() -> Option<String> {
+    global().conf_text()
+}
+
+/// Serves PyTorch from simulated devices instead of CUDA (tests). Only before the first
+/// allocation.
+#[pyfunction]
+#[pyo3(signature = (devices=1, total_bytes=None, manual_events=false))]
+fn torch_use_simulated_devices(
+    devices: u32,
+    total_bytes: Option<u64>,
+    manual_events: bool,
+) -> PyResult<()> {
+    if devices == 0 || devices as usize > MAX_DEVICES {
+        return Err(PyValueError::new_err(format!(
+            "devices must be in 1..={MAX_DEVICES}"
+        )));
+    }
+    global()
+        .use_source(sim_source(devices, total_bytes, manual_events))
+        .map_err(GpumemError::new_err)
+}
+
+/// Devices on which gpumem has an allocator.
+#[pyfunction]
+fn torch_devices() -> Vec<usize> {
+    global().devices()
+}
+
+/// `torch.cuda.memory_stats(device)` of gpumem's allocator of `device`.
+#[pyfunction]
+fn torch_memory_stats(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, PyDict>> {
+    stats_dict(py, &global().memory_stats(device(device_index)?))
+}
+
+/// Resets the peaks of `device`'s statistics.
+#[pyfunction]
+fn torch_reset_peak_memory_stats(device_index: i64) -> PyResult<()> {
+    if let Some(s) = global().get(device(device_index)?) {
+        s.alloc.reset_peak_stats();
+    }
+    Ok(())
+}
+
+/// The text summary of `device`'s statistics.
+#[pyfunction]
+fn torch_memory_summary(device_index: i64) -> PyResult<String> {
+    Ok(memory_summary(
+        &global().memory_stats(device(device_index)?),
+    ))
+}
+
+/// A snapshot dict of `device` in PyTorch's format.
+#[pyfunction]
+fn torch_snapshot(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, PyAny>> {
+    let d = device(device_index)?;
+    let slot = global().get(d).ok_or_else(|| {
+        GpumemError::new_err(format!("gpumem has not allocated on device {d} yet"))
+    })?;
+    let bytes =
+        snapshot_pickle(&slot.alloc).map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))?;
+    unpickle(py, &bytes)
+}
+
+/// The segments of `device` (list of dicts as in a PyTorch snapshot's `segments`).
+#[pyfunction]
+fn torch_segments(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, pyo3::types::PyList>> {
+    let d = device(device_index)?;
+    let segs = global()
+        .get(d)
+        .map(|s| s.alloc.snapshot())
+        .unwrap_or_default();
+    segments_list(py, device_index, &segs)
+}
+
+/// Releases the cached memory of every device; returns the bytes released.
+#[pyfunction]
+fn torch_empty_cache(py: Python<'_>) -> u64 {
+    py.detach(|| global().empty_cache())
+}
+
+/// Caps the memory gpumem holds on `device` at `fraction` of it.
+#[pyfunction]
+fn torch_set_memory_fraction(fraction: f64, device_index: i64) -> PyResult<()> {
+    let d = device(device_index)? as i32;
+    global().set_memory_fraction(fraction, d).map_err(torch_err)
+}
+
+/// Misuse reported by the free and record-stream hooks instead of raised.
+#[pyfunction]
+fn torch_error_counts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in global().counters.snapshot() {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// The allocation hook's logic, raising Python exceptions instead of C++ ones.
+#[pyfunction]
+#[pyo3(signature = (size, device_index=0, stream=0))]
+fn torch_alloc(py: Python<'_>, size: u64, device_index: i32, stream: u64) -> PyResult<u64> {
+    py.detach(|| global().alloc(size, device_index, stream))
+        .map_err(torch_err)
+}
+
+/// The free hook's logic; returns what happened: "freed", "null", "foreign", "double_free"
+/// or "failed" (the last three are also counted in torch_error_counts()).
+#[pyfunction]
+#[pyo3(signature = (ptr, device_index=0, stream=0))]
+fn torch_free(py: Python<'_>, ptr: u64, device_index: i32, stream: u64) -> &'static str {
+    match py.detach(|| global().free(ptr, device_index, stream)) {
+        FreeOutcome::Freed => "freed",
+        FreeOutcome::Null => "null",
+        FreeOutcome::Foreign => "foreign",
+        FreeOutcome::DoubleFree => "double_free",
+        FreeOutcome::Failed => "failed",
+    }
+}
+
+/// The record-stream hook's logic; returns whether `ptr` is a gpumem block.
+#[pyfunction]
+fn torch_record_stream(ptr: u64, stream: u64) -> bool {
+    global().record_stream(ptr, stream)
+}
+
+/// Calls the exported allocation function from C++ as PyTorch does, catching what it
+/// throws: ("returned", ptr) or ("threw", C++ type, what()).
+#[pyfunction]
+#[pyo3(signature = (size, device_index=0, stream=0))]
+fn torch_call_alloc_from_cpp(
+    py: Python<'_>,
+    size: usize,
+    device_index: i32,
+    stream: u64,
+) -> PyResult<Bound<'_, PyTuple>> {
+    match py.detach(|| call_alloc_from_cpp(size, device_index, stream)) {
+        CallOutcome::Returned(p) => ("returned", p).into_pyobject(py),
+        CallOutcome::Threw { type_name, what } => ("threw", type_name, what).into_pyobject(py),
+    }
+}
+
+/// Makes out-of-memory failures c10::OutOfMemoryError (torch.cuda.OutOfMemoryError in
+/// Python), given the paths of the loaded libc10.so and libc10_cuda.so.
+#[pyfunction]
+fn torch_bind_c10(libc10: &str, libc10_cuda: &str) -> PyResult<()> {
+    bind_c10(libc10, libc10_cuda).map_err(GpumemError::new_err)
+}
+
+/// The C++ exception type out-of-memory failures are thrown as.
+#[pyfunction]
+fn torch_oom_exception() -> &'static str {
+    if oom_is_c10() {
+        "c10::OutOfMemoryError"
+    } else {
+        "gpumem::OutOfMemoryError"
+    }
+}
+
+/// Simulated devices: completes every recorded event of `device`; returns how many.
+#[pyfunction]
+fn torch_sim_complete_events(device_index: i64) -> PyResult<usize> {
+    Ok(global().sim_complete_events(device(device_index)?))
+}
+
+/// The device whose gpumem allocator handed out the live block containing `ptr`, or None.
+#[pyfunction]
+fn torch_owner_device(ptr: u64) -> Option<usize> {
+    global().devices().into_iter().find(|&d| {
+        global().get(d).is_some_and(|s| {
+            s.alloc.snapshot().iter().any(|seg| {
+                seg.blocks.iter().any(|b| {
+                    b.kind == BlockKind::Allocated && b.addr <= ptr && ptr < b.addr + b.size
+                })
+            })
+        })
+    })
+}
+
+/// Number of CUDA devices the driver reports (raises GpumemError without a driver).
+#[pyfunction]
+fn cuda_device_count() -> PyResult<u32> {
+    gpumem_cuda::device_count().map_err(|e| GpumemError::new_err(e.to_string()))
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(torch_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_conf, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_use_simulated_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_memory_summary, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_error_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_free, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_call_alloc_from_cpp, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_bind_c10, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_oom_exception, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_sim_complete_events, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_owner_device, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,598 @@
+//! The allocators behind PyTorch: one [`Allocator`] per device, created on the first request
+//! for that device and kept for the life of the process, and the counters of misuse (frees of
+//! pointers gpumem never handed out, double frees) that the C entry points report instead of
+//! crashing.
+//!
+//! The process has one [`Registry`] ([`global`]), shared by the C functions PyTorch calls and
+//! by the Python module, which live in the same shared library.
+
+use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
+use gpumem_core::backend::{Backend, DevPtr, Stream};
+use gpumem_core::units::H200_TOTAL_BYTES;
+use gpumem_core::{AllocError, Allocator, Config, MemoryStats};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, OnceLock};
+
+/// Most CUDA devices one process may use through gpumem.
+pub const MAX_DEVICES: usize = 64;
+
+/// Where the devices' memory comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    /// The CUDA driver (gpumem-cuda), device by ordinal.
+    Cuda,
+    /// Simulated devices (tests and CI): `devices` of `total_bytes` each.
+    Sim {
+        /// Number of devices.
+        devices: u32,
+        /// Memory of each.
+        total_bytes: u64,
+        /// Events complete only when told ([`Registry::sim_complete_events`]).
+        manual_events: bool,
+    },
+}
+
+/// An allocation failure as PyTorch must see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TorchError {
+    /// No memory for the request: surfaces as `torch.cuda.OutOfMemoryError`.
+    OutOfMemory(String),
+    /// Anything else (no driver, bad device, ...): surfaces as `RuntimeError`.
+    Other(String),
+}
+
+impl TorchError {
+    /// The message shown to the user.
+    pub fn message(&self) -> &str {
+        match self {
+            TorchError::OutOfMemory(m) | TorchError::Other(m) => m,
+        }
+    }
+}
+
+/// What became of a free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreeOutcome {
+    /// The block was returned to its pool (or will be, after other streams' events).
+    Freed,
+    /// A null pointer (what a zero-byte allocation returns): nothing to do.
+    Null,
+    /// Not a pointer gpumem handed out on that device: reported and ignored.
+    Foreign,
+    /// Already freed: reported and ignored.
+    DoubleFree,
+    /// The device refused (a driver error): reported.
+    Failed,
+}
+
+/// Counts of everything reported instead of raised.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Frees of pointers that gpumem did not hand out.
+    pub foreign_frees: AtomicU64,
+    /// Frees of blocks already freed.
+    pub double_frees: AtomicU64,
+    /// Frees the device refused.
+    pub free_errors: AtomicU64,
+    /// `record_stream` on memory that is not gpumem's (ignored, as PyTorch's allocator does).
+    pub record_stream_foreign: AtomicU64,
+    /// Other failures of `record_stream` and `empty_cache`.
+    pub other_errors: AtomicU64,
+    /// Whether each kind of report (indexed by the `WARN_*` constants) was printed already.
+    warned: [AtomicBool; 4],
+}
+
+const WARN_FOREIGN: usize = 0;
+const WARN_DOUBLE_FREE: usize = 1;
+const WARN_FREE_ERROR: usize = 2;
+const WARN_OTHER: usize = 3;
+
+impl Counters {
+    /// Counts one event in `counter`; prints `message` the first time a `kind` is reported.
+    fn count(&self, kind: usize, counter: &AtomicU64, message: impl FnOnce() -> String) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        if !self.warned[kind].swap(true, Ordering::Relaxed) {
+            // Once per kind: a program freeing foreign pointers in a loop must not flood stderr.
+            eprintln!(
+                "gpumem: warning: {} (later occurrences are only counted: gpumem.torch.error_counts())",
+                message()
+            );
+        }
+    }
+
+    /// (name, value) of every counter.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("foreign_frees", self.foreign_frees.load(Ordering::Relaxed)),
+            ("double_frees", self.double_frees.load(Ordering::Relaxed)),
+            ("free_errors", self.free_errors.load(Ordering::Relaxed)),
+            (
+                "record_stream_foreign",
+                self.record_stream_foreign.load(Ordering::Relaxed),
+            ),
+            ("other_errors", self.other_errors.load(Ordering::Relaxed)),
+        ]
+    }
+}
+
+/// One device's allocator.
+pub struct DeviceSlot {
+    /// The allocator.
+    pub alloc: Arc<Allocator>,
+    /// The event control of a simulated device.
+    pub sim: Option<SimControl>,
+}
+
+struct Setup {
+    /// The configuration text (`policy:stitched,...`), once fixed.
+    conf_text: Option<String>,
+    config: Option<Config>,
+    source: Source,
+    /// Whether any allocator exists (configuration is frozen from then on).
+    created: bool,
+}
+
+/// The per-device allocators of the process.
+pub struct Registry {
+    slots: Box<[OnceLock<DeviceSlot>]>,
+    setup: Mutex<Setup>,
+    /// Misuse and failures reported instead of raised.
+    pub counters: Counters,
+}
+
+static GLOBAL: LazyLock<Registry> = LazyLock::new(|| Registry::new(Source::Cuda));
+
+/// The registry PyTorch's calls and the Python module share.
+pub fn global() -> &'static Registry {
+    &GLOBAL
+}
+
+fn device_index(device: i32) -> Result<usize, TorchError> {
+    usize::try_from(device)
+        .ok()
+        .filter(|&d| d < MAX_DEVICES)
+        .ok_or_else(|| {
+            TorchError::Other(format!(
+                "gpumem: invalid CUDA device index {device} (expected 0..{MAX_DEVICES})"
+            ))
+        })
+}
+
+impl Registry {
+    /// An empty registry drawing memory from `source`.
+    pub fn new(source: Source) -> Self {
+        Self {
+            slots: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            setup: Mutex::new(Setup {
+                conf_text: None,
+                config: None,
+                source,
+                created: false,
+            }),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Fixes the configuration: `conf`, or `GPUMEM_CONF` when `None`, or the defaults. Once an
+    /// allocator exists only the same configuration is accepted.
+    pub fn configure(&self, conf: Option<&str>) -> Result<String, String> {
+        let text = match conf {
+            Some(c) => c.to_string(),
+            None => std::env::var("GPUMEM_CONF").unwrap_or_default(),
+        };
+        let config = Config::parse(&text).map_err(|e| format!("gpumem configuration: {e}"))?;
+        let mut setup = self.setup.lock();
+        if setup.created && setup.conf_text.as_deref() != Some(text.as_str()) {
+            return Err(format!(
+                "gpumem is already serving allocations with configuration '{}'; it cannot change \
+                 to '{text}' in this process",
+                setup.conf_text.as_deref().unwrap_or("")
+            ));
+        }
+        setup.conf_text = Some(text.clone());
+        setup.config = Some(config);
+        Ok(text)
+    }
+
+    /// The configuration text in force (after [`Registry::configure`] or the first allocator).
+    pub fn conf_text(&self) -> Option<String> {
+        self.setup.lock().conf_text.clone()
+    }
+
+    /// Switches to simulated devices. Only before the first allocator exists.
+    pub fn use_source(&self, source: Source) -> Result<(), String> {
+        let mut setup = self.setup.lock();
+        if setup.created {
+            return Err("gpumem already created allocators; choose the device source first".into());
+        }
+        setup.source = source;
+        Ok(())
+    }
+
+    /// The allocator of `device`, if it was created.
+    #[inline]
+    pub fn get(&self, device: usize) -> Option<&DeviceSlot> {
+        self.slots.get(device).and_then(|s| s.get())
+    }
+
+    /// Devices that have an allocator.
+    pub fn devices(&self) -> Vec<usize> {
+        (0..MAX_DEVICES)
+            .filter(|&d| self.get(d).is_some())
+            .collect()
+    }
+
+    /// The allocator of `device`, created on first use.
+    pub fn device(&self, device: usize) -> Result<&DeviceSlot, TorchError> {
+        if let Some(s) = self.get(device) {
+            return Ok(s);
+        }
+        let slot = self.slots.get(device).ok_or_else(|| {
+            TorchError::Other(format!("gpumem: invalid CUDA device index {device}"))
+        })?;
+        let mut setup = self.setup.lock();
+        if let Some(s) = slot.get() {
+            return Ok(s);
+        }
+        if setup.config.is_none() {
+            // Loaded without gpumem.torch.install() (a hand-made CUDAPluggableAllocator):
+            // the environment decides.
+            let text = std::env::var("GPUMEM_CONF").unwrap_or_default();
+            let config = Config::parse(&text)
+                .map_err(|e| TorchError::Other(format!("gpumem: GPUMEM_CONF: {e}")))?;
+            setup.conf_text = Some(text);
+            setup.config = Some(config);
+        }
+        let config = setup.config.clone().unwrap_or_default();
+        let (backend, sim): (Box<dyn Backend>, Option<SimControl>) = match &setup.source {
+            Source::Cuda => {
+                let b = gpumem_cuda::open_backend(device as u32).map_err(|e| {
+                    TorchError::Other(format!("gpumem: cannot open CUDA device {device}: {e}"))
+                })?;
+                (b, None)
+            }
+            Source::Sim {
+                devices,
+                total_bytes,
+                manual_events,
+            } => {
+                if device >= *devices as usize {
+                    return Err(TorchError::Other(format!(
+                        "gpumem: simulated device {device} does not exist ({devices} simulated)"
+                    )));
+                }
+                let (b, ctl) = SimBackend::new(SimConfig {
+                    name: format!("sim{device}"),
+                    total_bytes: *total_bytes,
+                    event_mode: if *manual_events {
+                        EventMode::Manual
+                    } else {
+                        EventMode::Immediate
+                    },
+                    ..SimConfig::default()
+                });
+                (Box::new(b), Some(ctl))
+            }
+        };
+        let alloc = Allocator::new(backend, config).map_err(|e| {
+            TorchError::Other(format!(
+                "gpumem: cannot create the allocator of device {device}: {e}"
+            ))
+        })?;
+        setup.created = true;
+        let _ = slot.set(DeviceSlot {
+            alloc: Arc::new(alloc),
+            sim,
+        });
+        slot.get()
+            .ok_or_else(|| TorchError::Other("gpumem: device slot vanished".into()))
+    }
+
+    /// Allocates for PyTorch: `size` bytes on `device` for use on `stream`. Zero bytes give the
+    /// null pointer, as PyTorch's own allocator returns for them.
+    #[inline]
+    pub fn alloc(&self, size: u64, device: i32, stream: Stream) -> Result<DevPtr, TorchError> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let d = device_index(device)?;
+        let slot = self.device(d)?;
+        slot.alloc
+            .allocate(size, stream)
+            .map(|a| a.ptr)
+            .map_err(|e| torch_error(d, size, e))
+    }
+
+    /// Frees for PyTorch. Never fails: misuse is counted and reported once on stderr.
+    pub fn free(&self, ptr: DevPtr, device: i32, stream: Stream) -> FreeOutcome {
+        if ptr == 0 {
+            return FreeOutcome::Null;
+        }
+        let c = &self.counters;
+        let Some(slot) = usize::try_from(device).ok().and_then(|d| self.get(d)) else {
+            c.count(WARN_FOREIGN, &c.foreign_frees, || {
+                format!("free of {ptr:#x} on device {device}, where gpumem allocated nothing")
+            });
+            return FreeOutcome::Foreign;
+        };
+        match slot.alloc.free_on(ptr, stream) {
+            Ok(()) => FreeOutcome::Freed,
+            Err(AllocError::UnknownPointer { .. }) => {
+                c.count(WARN_FOREIGN, &c.foreign_frees, || {
+                    format!("free of {ptr:#x}, which gpumem did not allocate on device {device}")
+                });
+                FreeOutcome::Foreign
+            }
+            Err(AllocError::DoubleFree { .. }) => {
+                c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
+                    format!("double free of {ptr:#x} on device {device}")
+                });
+                FreeOutcome::DoubleFree
+            }
+            Err(e) => {
+                c.count(WARN_FREE_ERROR, &c.free_errors, || {
+                    format!("free of {ptr:#x} on device {device} failed: {e}")
+                });
+                FreeOutcome::Failed
+            }
+        }
+    }
+
+    /// `Tensor.record_stream`: the block at `ptr` is used on `stream` too, so it is reused only
+    /// after the work queued there before its free has completed. Memory that is not gpumem's
+    /// is ignored (as PyTorch's allocator ignores memory it does not own). Returns whether a
+    /// gpumem block was found.
+    pub fn record_stream(&self, ptr: DevPtr, stream: Stream) -> bool {
+        if ptr == 0 {
+            return false;
+        }
+        let c = &self.counters;
+        for d in 0..MAX_DEVICES {
+            let Some(slot) = self.get(d) else { continue };
+            match slot.alloc.record_stream(ptr, stream) {
+                Ok(()) => return true,
+                Err(AllocError::UnknownPointer { .. } | AllocError::DoubleFree { .. }) => {}
+                Err(e) => {
+                    c.count(WARN_OTHER, &c.other_errors, || {
+                        format!("record_stream of {ptr:#x} on stream {stream:#x} failed: {e}")
+                    });
+                    return false;
+                }
+            }
+        }
+        c.record_stream_foreign.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    /// `torch.cuda.empty_cache()`: every device returns its unused cached memory. Returns the
+    /// bytes released.
+    pub fn empty_cache(&self) -> u64 {
+        let mut released = 0;
+        for d in 0..MAX_DEVICES {
+            let Some(slot) = self.get(d) else { continue };
+            match slot.alloc.empty_cache() {
+                Ok(b) => released += b,
+                Err(e) => {
+                    let c = &self.counters;
+                    c.count(WARN_OTHER, &c.other_errors, || {
+                        format!("empty_cache on device {d} failed: {e}")
+                    });
+                }
+            }
+        }
+        released
+    }
+
+    /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`: caps the memory gpumem
+    /// holds on `device` (0 allows nothing).
+    pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), TorchError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(TorchError::Other(format!(
+                "gpumem: memory fraction {fraction} is not in [0, 1]"
+            )));
+        }
+        let slot = self.device(device_index(device)?)?;
+        if fraction == 0.0 {
+            slot.alloc.set_cap(Some(0));
+            Ok(())
+        } else {
+            slot.alloc
+                .set_memory_fraction(fraction)
+                .map_err(|e| TorchError::Other(format!("gpumem: {e}")))
+        }
+    }
+
+    /// Statistics of `device` (all zero if gpumem never allocated there).
+    pub fn memory_stats(&self, device: usize) -> MemoryStats {
+        self.get(device)
+            .map(|s| s.alloc.memory_stats())
+            .unwrap_or_default()
+    }
+
+    /// Completes every event recorded so far on simulated `device`; returns how many.
+    pub fn sim_complete_events(&self, device: usize) -> usize {
+        match self.get(device).and_then(|s| s.sim.as_ref()) {
+            Some(ctl) => {
+                let recorded = ctl.take_recorded();
+                for (e, _) in &recorded {
+                    ctl.complete(*e);
+                }
+                recorded.len()
+            }
+            None => 0,
+        }
+    }
+}
+
+/// The message PyTorch users see for an allocator error. Out-of-memory messages start with
+/// "CUDA out of memory." like PyTorch's own, which tools match on to shrink a batch.
+pub fn torch_error(device: usize, size: u64, e: AllocError) -> TorchError {
+    match e {
+        AllocError::OutOfMemory(report) => TorchError::OutOfMemory(format!(
+            "CUDA out of memory. gpumem on device {device}: {report}"
+        )),
+        AllocError::InvalidSize { reason, .. } => TorchError::OutOfMemory(format!(
+            "CUDA out of memory. gpumem on device {device}: tried to allocate {} ({size} bytes), \
+             {reason}",
+            gpumem_core::units::format_size(size)
+        )),
+        AllocError::Backend(b) if b.out_of_memory => TorchError::OutOfMemory(format!(
+            "CUDA out of memory. gpumem on device {device}: the driver refused {size} bytes: {b}"
+        )),
+        other => TorchError::Other(format!("gpumem on device {device}: {other}")),
+    }
+}
+
+/// A simulated source of `devices` H200-sized devices (or `total_bytes` each).
+pub fn sim_source(devices: u32, total_bytes: Option<u64>, manual_events: bool) -> Source {
+    Source::Sim {
+        devices,
+        total_bytes: total_bytes.unwrap_or(H200_TOTAL_BYTES),
+        manual_events,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpumem_core::units::MIB;
+
+    fn sim(devices: u32, total: u64, manual: bool) -> Registry {
+        Registry::new(sim_source(devices, Some(total), manual))
+    }
+
+    #[test]
+    fn zero_bytes_give_null_and_freeing_null_is_a_no_op() {
+        let r = sim(1, 1 << 30, false);
+        assert_eq!(r.alloc(0, 0, 0), Ok(0));
+        assert_eq!(r.free(0, 0, 0), FreeOutcome::Null);
+        assert!(
+            r.devices().is_empty(),
+            "no allocator is created for a zero-byte request"
+        );
+    }
+
+    #[test]
+    fn allocations_are_counted_per_device() {
+        let r = sim(2, 1 << 30, false);
+        let a = r.alloc(3 * MIB, 0, 0).unwrap();
+        let b = r.alloc(1000, 1, 7).unwrap();
+        assert_eq!(r.devices(), vec![0, 1]);
+        let s0 = r.memory_stats(0);
+        let s1 = r.memory_stats(1);
+        assert_eq!(s0.requested_bytes.all.current, (3 * MIB) as i64);
+        assert_eq!(s1.requested_bytes.all.current, 1000);
+        assert_eq!(s1.allocated_bytes.all.current, 1024, "rounded to 512 B");
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(b, 1, 7), FreeOutcome::Freed);
+        assert_eq!(r.memory_stats(0).allocated_bytes.all.current, 0);
+        assert_eq!(r.memory_stats(3).allocated_bytes.all.peak, 0);
+    }
+
+    #[test]
+    fn misuse_is_counted_not_fatal() {
+        let r = sim(1, 1 << 30, false);
+        let a = r.alloc(MIB, 0, 0).unwrap();
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::DoubleFree);
+        assert_eq!(r.free(0xdead_0000, 0, 0), FreeOutcome::Foreign);
+        assert_eq!(r.free(0xdead_0000, 5, 0), FreeOutcome::Foreign);
+        let counts: Vec<_> = r.counters.snapshot();
+        assert_eq!(counts[0], ("foreign_frees", 2));
+        assert_eq!(counts[1], ("double_frees", 1));
+        assert!(!r.record_stream(0xdead_0000, 3));
+        assert_eq!(r.counters.record_stream_foreign.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn record_stream_delays_reuse_until_the_event_completes() {
+        let r = sim(1, 1 << 30, true);
+        let a = r.alloc(8 * MIB, 0, 0).unwrap();
+        assert!(r.record_stream(a, 0x55));
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        let active = r.memory_stats(0).active_bytes.all.current;
+        assert_eq!(
+            active,
+            (8 * MIB) as i64,
+            "still active while stream 0x55 may use it"
+        );
+        let b = r.alloc(8 * MIB, 0, 0).unwrap();
+        assert_ne!(
+            a, b,
+            "the block used on another stream is not handed out again"
+        );
+        assert_eq!(r.sim_complete_events(0), 1);
+        r.free(b, 0, 0);
+        let c = r.alloc(8 * MIB, 0, 0).unwrap();
+        r.free(c, 0, 0);
+        assert_eq!(
+            r.memory_stats(0).active_bytes.all.current,
+            0,
+            "the pending block was released once its event completed"
+        );
+    }
+
+    #[test]
+    fn fraction_caps_and_oom_says_so() {
+        let r = sim(1, 1 << 30, false);
+        r.set_memory_fraction(0.25, 0).unwrap();
+        let err = r.alloc(512 * MIB, 0, 0).unwrap_err();
+        match &err {
+            TorchError::OutOfMemory(m) => {
+                assert!(m.starts_with("CUDA out of memory."), "{m}");
+                assert!(m.contains("gpumem"), "{m}");
+            }
+            other => panic!("expected out of memory, got {other:?}"),
+        }
+        assert_eq!(r.memory_stats(0).num_ooms, 1);
+        assert!(r.alloc(128 * MIB, 0, 0).is_ok(), "small requests still fit");
+        assert!(r.set_memory_fraction(1.5, 0).is_err());
+        r.set_memory_fraction(0.0, 0).unwrap();
+        assert!(matches!(
+            r.alloc(64 * MIB, 0, 0),
+            Err(TorchError::OutOfMemory(_))
+        ));
+    }
+
+    #[test]
+    fn absurd_sizes_are_out_of_memory_like_pytorch() {
+        let r = sim(1, 1 << 30, false);
+        let err = r.alloc(1 << 50, 0, 0).unwrap_err();
+        assert!(matches!(err, TorchError::OutOfMemory(_)), "{err:?}");
+        assert!(
+            err.message().contains("1048576.00 GiB"),
+            "{}",
+            err.message()
+        );
+    }
+
+    #[test]
+    fn bad_devices_and_configurations_are_errors() {
+        let r = sim(1, 1 << 30, false);
+        assert!(matches!(r.alloc(512, -1, 0), Err(TorchError::Other(_))));
+        assert!(matches!(r.alloc(512, 1, 0), Err(TorchError::Other(_))));
+        assert!(r.configure(Some("policy:nonsense")).is_err());
+        r.configure(Some("policy:caching")).unwrap();
+        r.alloc(512, 0, 0).unwrap();
+        assert_eq!(r.get(0).unwrap().alloc.policy().name(), "caching");
+        assert!(
+            r.configure(Some("policy:caching")).is_ok(),
+            "same again is fine"
+        );
+        let e = r.configure(Some("policy:buddy")).unwrap_err();
+        assert!(e.contains("cannot change"), "{e}");
+        assert!(r.use_source(Source::Cuda).is_err());
+    }
+
+    #[test]
+    fn empty_cache_returns_memory() {
+        let r = sim(1, 1 << 30, false);
+        let a = r.alloc(64 * MIB, 0, 0).unwrap();
+        r.free(a, 0, 0);
+        let held = r.memory_stats(0).reserved_bytes.all.current;
+        assert!(held >= (64 * MIB) as i64);
+        assert_eq!(r.empty_cache() as i64, held);
+        assert_eq!(r.memory_stats(0).reserved_bytes.all.current, 0);
+    }
+}

@@ -1,0 +1,287 @@
+//! The C functions PyTorch's `CUDAPluggableAllocator` calls (signatures from PyTorch 2.11's
+//! `torch/csrc/cuda/CUDAPluggableAllocator.h`):
+//!
+//! | function | PyTorch hook | signature |
+//! |---|---|---|
+//! | [`gpumem_torch_alloc`] | alloc (constructor) | `void* (size_t size, int device, cudaStream_t stream)` |
+//! | [`gpumem_torch_free`] | free (constructor) | `void (void* ptr, size_t size, int device, cudaStream_t stream)` |
+//! | [`gpumem_torch_record_stream`] | `set_record_stream_fn` | `void (void* ptr, cudaStream_t stream)` |
+//! | [`gpumem_torch_empty_cache`] | `set_reset_fn` (`torch.cuda.empty_cache`) | `void ()` |
+//! | [`gpumem_torch_set_memory_fraction`] | `set_memory_fraction_fn` | `void (double fraction, int device)` |
+//!
+//! No Rust panic crosses these functions: each runs inside `catch_unwind`. The allocation
+//! function is the only one that fails visibly: PyTorch never checks the pointer it returns,
+//! so a failure is thrown as a C++ exception by the shim (`shim/torch_shim.cpp`), which
+//! unwinds through [`gpumem_torch_alloc`] (declared `extern "C-unwind"` for that reason) into
+//! PyTorch. The free function runs inside PyTorch's deleters, where an exception would end the
+//! process, so it reports misuse on stderr and in counters instead.
+
+use crate::registry::{global, TorchError};
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Error kinds understood by `gpumem_shim_throw`.
+const KIND_OUT_OF_MEMORY: c_int = 1;
+const KIND_OTHER: c_int = 2;
+
+extern "C-unwind" {
+    /// Throws the C++ exception for an allocator failure (`shim/torch_shim.cpp`).
+    fn gpumem_shim_throw(kind: c_int, msg: *const c_char, len: usize) -> !;
+}
+
+extern "C" {
+    fn gpumem_shim_bind_c10(
+        libc10: *const c_char,
+        libc10_cuda: *const c_char,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn gpumem_shim_oom_is_c10() -> c_int;
+    fn gpumem_shim_call_alloc(
+        size: usize,
+        device: c_int,
+        stream: *mut c_void,
+        out: *mut *mut c_void,
+        type_buf: *mut c_char,
+        type_len: usize,
+        msg_buf: *mut c_char,
+        msg_len: usize,
+    ) -> c_int;
+}
+
+/// Throws `e` as a C++ exception into the caller of [`gpumem_torch_alloc`].
+fn throw(e: TorchError) -> ! {
+    let kind = match e {
+        TorchError::OutOfMemory(_) => KIND_OUT_OF_MEMORY,
+        TorchError::Other(_) => KIND_OTHER,
+    };
+    let msg = e.message();
+    // SAFETY: `msg` points to `msg.len()` initialised bytes that stay alive for the call (the
+    // shim copies them into its exception before throwing). The function never returns; the
+    // exception unwinds through this frame, which is allowed because the import is declared
+    // "C-unwind" and this frame holds no lock.
+    unsafe { gpumem_shim_throw(kind, msg.as_ptr().cast(), msg.len()) }
+}
+
+/// PyTorch's allocation hook: `size` bytes on `device` for use on `stream`. Returns null for
+/// zero bytes (as PyTorch's own allocator does); throws a C++ exception on failure (a
+/// `c10::OutOfMemoryError` once [`bind_c10`] succeeded, else a `std::runtime_error`).
+#[no_mangle]
+pub extern "C-unwind" fn gpumem_torch_alloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        global().alloc(size as u64, device, stream as u64)
+    }));
+    let err = match result {
+        Ok(Ok(ptr)) => return ptr as *mut c_void,
+        Ok(Err(e)) => e,
+        Err(_) => TorchError::Other(format!(
+            "gpumem: internal error (a panic) while allocating {size} bytes on device {device}; \
+             please report it"
+        )),
+    };
+    throw(err)
+}
+
+/// PyTorch's free hook. `size` is what was asked for and `stream` the stream of the
+/// allocation. Never throws: a foreign pointer or a double free is counted and reported once.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_free(
+    ptr: *mut c_void,
+    _size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        global().free(ptr as u64, device, stream as u64)
+    }));
+    if r.is_err() {
+        eprintln!("gpumem: internal error (a panic) while freeing {ptr:p}; please report it");
+    }
+}
+
+/// `Tensor.record_stream(stream)`: the block at `ptr` is not reused before the work queued on
+/// `stream` at the time it is freed has completed.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        global().record_stream(ptr as u64, stream as u64)
+    }));
+    if r.is_err() {
+        eprintln!("gpumem: internal error (a panic) in record_stream of {ptr:p}; please report it");
+    }
+}
+
+/// `torch.cuda.empty_cache()`: every device returns the memory no tensor uses.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_empty_cache() {
+    if catch_unwind(|| global().empty_cache()).is_err() {
+        eprintln!("gpumem: internal error (a panic) in empty_cache; please report it");
+    }
+}
+
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_set_memory_fraction(fraction: f64, device: c_int) {
+    match catch_unwind(|| global().set_memory_fraction(fraction, device)) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => eprintln!("{}", e.message()),
+        Err(_) => eprintln!("gpumem: internal error (a panic) in set_memory_fraction"),
+    }
+}
+
+/// Makes out-of-memory failures `c10::OutOfMemoryError`s (so that Python sees
+/// `torch.cuda.OutOfMemoryError`), given the paths of the loaded `libc10.so` and
+/// `libc10_cuda.so`. On error nothing changes and the reason is returned.
+pub fn bind_c10(libc10: &str, libc10_cuda: &str) -> Result<(), String> {
+    let c10 = std::ffi::CString::new(libc10).map_err(|e| e.to_string())?;
+    let cuda = std::ffi::CString::new(libc10_cuda).map_err(|e| e.to_string())?;
+    let mut err = vec![0u8; 512];
+    // SAFETY: both paths are NUL-terminated strings alive for the call; `err` is a writable
+    // buffer of `err.len()` bytes, which the shim NUL-terminates within that length.
+    let rc = unsafe {
+        gpumem_shim_bind_c10(
+            c10.as_ptr(),
+            cuda.as_ptr(),
+            err.as_mut_ptr().cast(),
+            err.len(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(c_buffer_text(&err))
+    }
+}
+
+/// Whether out-of-memory failures are thrown as `c10::OutOfMemoryError`.
+pub fn oom_is_c10() -> bool {
+    // SAFETY: reads an atomic flag of the shim; no arguments.
+    unsafe { gpumem_shim_oom_is_c10() != 0 }
+}
+
+/// What a call of [`gpumem_torch_alloc`] did, seen from C++ the way PyTorch sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// It returned this pointer.
+    Returned(u64),
+    /// It threw a C++ exception of this (demangled) type with this `what()`.
+    Threw {
+        /// The exception's type.
+        type_name: String,
+        /// Its message.
+        what: String,
+    },
+}
+
+/// Calls [`gpumem_torch_alloc`] from C++ and catches what it throws: the test of the path an
+/// allocation failure takes into PyTorch.
+pub fn call_alloc_from_cpp(size: usize, device: i32, stream: u64) -> CallOutcome {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    let mut ty = vec![0u8; 256];
+    let mut msg = vec![0u8; 4096];
+    // SAFETY: `out` is a valid place for one pointer; the two buffers are writable for the
+    // lengths given and the shim NUL-terminates within them. The callee catches every C++
+    // exception, so nothing unwinds into this Rust frame.
+    let rc = unsafe {
+        gpumem_shim_call_alloc(
+            size,
+            device,
+            stream as *mut c_void,
+            &mut out,
+            ty.as_mut_ptr().cast(),
+            ty.len(),
+            msg.as_mut_ptr().cast(),
+            msg.len(),
+        )
+    };
+    if rc == 0 {
+        CallOutcome::Returned(out as u64)
+    } else {
+        CallOutcome::Threw {
+            type_name: c_buffer_text(&ty),
+            what: c_buffer_text(&msg),
+        }
+    }
+}
+
+fn c_buffer_text(buf: &[u8]) -> String {
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::sim_source;
+    use gpumem_core::units::MIB;
+
+    /// The only test that touches the process-wide registry (the others build their own).
+    #[test]
+    fn the_c_entry_points_serve_and_fail_like_pytorch_expects() {
+        global()
+            .use_source(sim_source(1, Some(256 * MIB), false))
+            .unwrap();
+        global().configure(Some("policy:stitched")).unwrap();
+
+        // Served: a pointer, freed through the free hook.
+        let p = gpumem_torch_alloc(4 * MIB as usize, 0, std::ptr::null_mut());
+        assert!(!p.is_null());
+        assert_eq!(
+            global().memory_stats(0).requested_bytes.all.current,
+            (4 * MIB) as i64
+        );
+        gpumem_torch_record_stream(p, 0x40 as *mut c_void);
+        gpumem_torch_free(p, 4 * MIB as usize, 0, std::ptr::null_mut());
+        assert_eq!(global().memory_stats(0).allocated_bytes.all.current, 0);
+
+        // Zero bytes: null, and freeing null is harmless.
+        assert!(gpumem_torch_alloc(0, 0, std::ptr::null_mut()).is_null());
+        gpumem_torch_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+
+        // Misuse through the free hook is counted, not fatal.
+        gpumem_torch_free(0x1234_5000 as *mut c_void, 16, 0, std::ptr::null_mut());
+        assert!(
+            global()
+                .counters
+                .foreign_frees
+                .load(std::sync::atomic::Ordering::Relaxed)
+                >= 1
+        );
+
+        // A failure reaches the C++ caller as an exception with PyTorch's wording.
+        match call_alloc_from_cpp(1 << 40, 0, 0) {
+            CallOutcome::Threw { type_name, what } => {
+                assert_eq!(type_name, "gpumem::OutOfMemoryError", "{what}");
+                assert!(what.starts_with("CUDA out of memory."), "{what}");
+            }
+            other => panic!("expected an exception, got {other:?}"),
+        }
+        match call_alloc_from_cpp(512, 9, 0) {
+            CallOutcome::Threw { type_name, what } => {
+                assert_eq!(type_name, "gpumem::Error");
+                assert!(what.contains("does not exist"), "{what}");
+            }
+            other => panic!("expected an exception, got {other:?}"),
+        }
+        // The process goes on, and the fraction hook caps the device.
+        gpumem_torch_set_memory_fraction(0.5, 0);
+        assert!(matches!(
+            call_alloc_from_cpp(200 * MIB as usize, 0, 0),
+            CallOutcome::Threw { .. }
+        ));
+        match call_alloc_from_cpp(MIB as usize, 0, 0) {
+            CallOutcome::Returned(p) => {
+                gpumem_torch_free(p as *mut c_void, 0, 0, std::ptr::null_mut())
+            }
+            other => panic!("expected a pointer, got {other:?}"),
+        }
+        gpumem_torch_empty_cache();
+        assert_eq!(global().memory_stats(0).reserved_bytes.all.current, 0);
+        assert!(!oom_is_c10());
+        assert!(bind_c10("/nonexistent/libc10.so", "/nonexistent/libc10_cuda.so").is_err());
+    }
+}

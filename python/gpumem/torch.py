@@ -1,0 +1,393 @@
+"""gpumem as PyTorch's CUDA memory allocator.
+
+::
+
+    import gpumem
+    gpumem.torch.install()        # first thing, before any tensor is created on the GPU
+
+From then on every CUDA tensor of the process is allocated by gpumem (one allocator per
+device, created on the first request for that device). ``torch.cuda.empty_cache()`` and
+``torch.cuda.set_per_process_memory_fraction()`` reach gpumem, ``Tensor.record_stream`` is
+honoured, and an allocation that cannot be met raises ``torch.cuda.OutOfMemoryError``.
+
+PyTorch's own statistics functions do not work under a pluggable allocator; this module
+provides them in the same shapes (``memory_stats``, ``memory_summary``, ``snapshot``...), and
+``install()`` by default points ``torch.cuda.memory_stats`` & co. at them so that existing code
+keeps working.
+
+Importing this module does not import PyTorch; only ``install()`` does.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import pickle
+import sys
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+from . import _native
+from ._native import GpumemError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch as _torch_mod
+
+    DeviceLike = Union[int, str, "_torch_mod.device", None]
+else:
+    DeviceLike = Union[int, str, Any, None]
+
+__all__ = [
+    "install",
+    "is_installed",
+    "conf",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "memory_summary",
+    "snapshot",
+    "memory_snapshot",
+    "dump_snapshot",
+    "empty_cache",
+    "set_memory_fraction",
+    "error_counts",
+    "devices",
+    "oom_exception",
+]
+
+_ALLOC_FN = "gpumem_torch_alloc"
+_FREE_FN = "gpumem_torch_free"
+# (exported C function, CUDAPluggableAllocator setter that takes its address)
+_HOOKS = (
+    ("gpumem_torch_record_stream", "set_record_stream_fn"),
+    ("gpumem_torch_empty_cache", "set_reset_fn"),
+    ("gpumem_torch_set_memory_fraction", "set_memory_fraction_fn"),
+)
+
+_lock = threading.Lock()
+# What install() made; kept alive for the life of the process (PyTorch holds raw pointers to
+# the library's functions).
+_installed: Optional[Dict[str, Any]] = None
+
+
+def _native_library_path() -> str:
+    path = _native.__file__
+    if not path:  # pragma: no cover - a module loaded from memory
+        raise GpumemError("cannot find the file of gpumem._native")
+    return path
+
+
+def _function_address(lib: ctypes.CDLL, name: str) -> int:
+    addr = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    if not addr:
+        raise GpumemError(f"gpumem._native does not export {name}")
+    return addr
+
+
+def _bind_torch_oom(torch: Any) -> Optional[str]:
+    """Make gpumem's out-of-memory errors torch.cuda.OutOfMemoryError. Returns why not."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    attempts = [
+        (os.path.join(lib_dir, "libc10.so"), os.path.join(lib_dir, "libc10_cuda.so")),
+        ("libc10.so", "libc10_cuda.so"),  # by soname, as libtorch loaded them
+    ]
+    problems = []
+    for libc10, libc10_cuda in attempts:
+        try:
+            _native.torch_bind_c10(libc10, libc10_cuda)
+            return None
+        except GpumemError as e:
+            problems.append(str(e))
+    return "; ".join(problems)
+
+
+def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
+    """Make gpumem PyTorch's CUDA allocator for this process.
+
+    Must be called before PyTorch initializes CUDA (before the first CUDA tensor,
+    ``torch.cuda.init()``, ``torch.cuda.set_device()``...): PyTorch cannot change allocators
+    once its own has been initialized. Calling it again with the same configuration does
+    nothing.
+
+    Args:
+        conf: configuration such as ``"policy:stitched,fraction:0.9"``; ``None`` reads the
+            ``GPUMEM_CONF`` environment variable (and uses the defaults when it is unset).
+        patch_torch: also point ``torch.cuda.memory_stats``, ``memory_stats_as_nested_dict``,
+            ``reset_peak_memory_stats``, ``memory_summary``, ``memory_snapshot`` and
+            ``torch.cuda.memory._snapshot``/``_dump_snapshot`` at gpumem's versions (which the
+            helpers ``memory_allocated``, ``max_memory_reserved``... use), since PyTorch's
+            raise under a pluggable allocator.
+
+    Raises:
+        GpumemError: PyTorch is missing or has no CUDA, CUDA was already initialized by
+            PyTorch's own allocator, or gpumem was installed with another configuration.
+        ValueError: ``conf`` is not a valid configuration.
+    """
+    global _installed
+    with _lock:
+        if _installed is not None:
+            wanted = conf if conf is not None else os.environ.get("GPUMEM_CONF", "")
+            if wanted != _installed["conf"]:
+                raise GpumemError(
+                    f"gpumem is already PyTorch's allocator with configuration "
+                    f"{_installed['conf']!r}; it cannot be reinstalled with {wanted!r}"
+                )
+            return
+        try:
+            import torch
+        except ImportError as e:
+            raise GpumemError(f"gpumem.torch.install() needs PyTorch: {e}") from e
+        if not torch.cuda.is_available():
+            raise GpumemError(
+                "gpumem.torch.install(): PyTorch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda})"
+            )
+        if torch.cuda.is_initialized():
+            held = _native_allocator_holdings(torch)
+            raise GpumemError(
+                "gpumem.torch.install() must run before PyTorch initializes CUDA, but CUDA is "
+                f"already initialized{held}. Call it first thing in the program, right after "
+                "`import torch` and before any tensor is created on the GPU (or "
+                "torch.cuda.init()/set_device() is called)."
+            )
+        conf_text = _native.torch_configure(conf)
+        so_path = _native_library_path()
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(so_path, _ALLOC_FN, _FREE_FN)
+        raw = pluggable.allocator()
+        lib = ctypes.CDLL(so_path)
+        for fn_name, setter in _HOOKS:
+            set_fn = getattr(raw, setter, None)
+            if set_fn is None:
+                raise GpumemError(
+                    f"this PyTorch ({torch.__version__}) has no CUDAPluggableAllocator.{setter}; "
+                    "gpumem needs it (PyTorch >= 2.3)"
+                )
+            set_fn(_function_address(lib, fn_name))
+        oom_problem = _bind_torch_oom(torch)
+        try:
+            torch.cuda.memory.change_current_allocator(pluggable)
+        except RuntimeError as e:
+            raise GpumemError(
+                f"PyTorch refused to switch to gpumem ({e}); call gpumem.torch.install() before "
+                "anything initializes CUDA"
+            ) from e
+        if oom_problem is not None:
+            warnings.warn(
+                "gpumem: out-of-memory errors will be raised as RuntimeError, not "
+                f"torch.cuda.OutOfMemoryError, because c10's exception could not be bound: "
+                f"{oom_problem}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _installed = {
+            "conf": conf_text,
+            "allocator": pluggable,
+            "library": lib,
+            "oom_problem": oom_problem,
+        }
+        if patch_torch:
+            _patch_torch(torch)
+
+
+def _native_allocator_holdings(torch: Any) -> str:
+    try:
+        reserved = torch.cuda.memory_reserved()
+    except Exception:  # another pluggable allocator: no statistics
+        return ""
+    if reserved:
+        return f" and PyTorch's own allocator already holds {reserved} bytes"
+    return ""
+
+
+def is_installed() -> bool:
+    """Whether gpumem is PyTorch's allocator in this process."""
+    return _installed is not None
+
+
+def conf() -> Optional[str]:
+    """The configuration text gpumem's PyTorch allocators use (None before install())."""
+    return _native.torch_conf()
+
+
+def _device_index(device: DeviceLike) -> int:
+    """A device index from None (the current device), an int, "cuda:N" or a torch.device."""
+    if device is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+        return 0
+    if isinstance(device, bool):
+        raise TypeError("device must be an int, a string like 'cuda:1', or a torch.device")
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind != "cuda":
+            raise ValueError(f"expected a CUDA device, got {device!r}")
+        return int(index) if index else _device_index(None)
+    kind = getattr(device, "type", None)
+    if kind is not None:
+        if kind != "cuda":
+            raise ValueError(f"expected a CUDA device, got {device!r}")
+        index = getattr(device, "index", None)
+        return _device_index(None) if index is None else int(index)
+    raise TypeError(f"cannot interpret {device!r} as a CUDA device")
+
+
+def memory_stats(device: DeviceLike = None) -> "collections.OrderedDict[str, int]":
+    """``torch.cuda.memory_stats()`` for gpumem: the same keys, sorted, with the same meanings.
+
+    ``reserved_bytes`` is the memory gpumem holds from the driver (plain segments or mapped
+    physical pages); ``allocated_bytes`` the blocks handed to tensors; ``requested_bytes`` the
+    sizes the tensors asked for. With several streams allocating, block peaks are summed over
+    streams (an upper bound); ``reserved_bytes`` peaks are exact.
+    """
+    return collections.OrderedDict(_native.torch_memory_stats(_device_index(device)))
+
+
+def memory_stats_as_nested_dict(device: DeviceLike = None) -> Dict[str, Any]:
+    """``torch.cuda.memory_stats_as_nested_dict()`` for gpumem."""
+    nested: Dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        parts = key.split(".")
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def memory_allocated(device: DeviceLike = None) -> int:
+    """Bytes of live tensors on ``device`` (after rounding)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: DeviceLike = None) -> int:
+    """Peak of :func:`memory_allocated` since the last peak reset."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: DeviceLike = None) -> int:
+    """Bytes gpumem holds from the driver on ``device``."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: DeviceLike = None) -> int:
+    """Peak of :func:`memory_reserved` since the last peak reset."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: DeviceLike = None) -> None:
+    """Sets every peak statistic of ``device`` to its current value."""
+    _native.torch_reset_peak_memory_stats(_device_index(device))
+
+
+def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
+    """A text table of ``device``'s statistics in the layout of ``torch.cuda.memory_summary()``.
+
+    ``abbreviated`` is accepted for compatibility with PyTorch's signature; gpumem always
+    prints the full table.
+    """
+    del abbreviated
+    return _native.torch_memory_summary(_device_index(device))
+
+
+def snapshot(device: DeviceLike = None) -> Dict[str, Any]:
+    """A dict shaped like ``torch.cuda.memory._snapshot()`` (``segments``, ``device_traces``,
+    ``allocator_settings``...) for ``device``, readable by ``torch.cuda._memory_viz``.
+
+    Allocation history (``device_traces``) is recorded when the configuration enables it
+    (``history:N``).
+
+    Raises:
+        GpumemError: gpumem has not allocated on ``device`` yet, or snapshots are unavailable.
+    """
+    return _native.torch_snapshot(_device_index(device))
+
+
+def memory_snapshot(device: DeviceLike = None) -> List[Dict[str, Any]]:
+    """The ``segments`` list, like ``torch.cuda.memory_snapshot()``."""
+    return _native.torch_segments(_device_index(device))
+
+
+def dump_snapshot(path: str = "dump_snapshot.pickle", device: DeviceLike = None) -> None:
+    """Writes :func:`snapshot` as a pickle (open it with ``python -m torch.cuda._memory_viz``
+    or pytorch.org/memory_viz)."""
+    data = snapshot(device)
+    with open(path, "wb") as f:
+        pickle.dump(data, f)
+
+
+def empty_cache() -> int:
+    """Returns the cached memory of every device to the driver (``torch.cuda.empty_cache()``
+    does the same once gpumem is installed). Returns the bytes released."""
+    return _native.torch_empty_cache()
+
+
+def set_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
+    """Caps the memory gpumem may hold on ``device`` at ``fraction`` of it (0 to 1); a request
+    beyond the cap raises an out-of-memory error. Same as
+    ``torch.cuda.set_per_process_memory_fraction`` once gpumem is installed."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise TypeError("fraction must be a float")
+    if not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"invalid fraction {fraction}: expected 0 <= fraction <= 1")
+    _native.torch_set_memory_fraction(float(fraction), _device_index(device))
+
+
+def error_counts() -> Dict[str, int]:
+    """Misuse the allocator reported on stderr instead of raising (it runs inside PyTorch's
+    deleters, where an exception would end the process): ``foreign_frees`` (frees of memory
+    gpumem did not allocate), ``double_frees``, ``free_errors``, ``record_stream_foreign``
+    (``record_stream`` on memory that is not gpumem's, ignored as PyTorch ignores it) and
+    ``other_errors``."""
+    return dict(_native.torch_error_counts())
+
+
+def devices() -> List[int]:
+    """Devices on which gpumem has an allocator (one per device, created on first use)."""
+    return list(_native.torch_devices())
+
+
+def oom_exception() -> str:
+    """The C++ exception out-of-memory failures are thrown as: ``"c10::OutOfMemoryError"``
+    (Python sees ``torch.cuda.OutOfMemoryError``) once install() bound it, else
+    ``"gpumem::OutOfMemoryError"`` (Python sees ``RuntimeError``)."""
+    return _native.torch_oom_exception()
+
+
+def _patch_torch(torch: Any) -> None:
+    """Points PyTorch's statistics functions, which raise under a pluggable allocator, at
+    gpumem's."""
+
+    def _snapshot(device: DeviceLike = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
+        del augment_with_fx_traces
+        return snapshot(device)
+
+    def _dump_snapshot(filename: str = "dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
+        del augment_with_fx_traces
+        dump_snapshot(filename)
+
+    def _memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> List[Dict[str, Any]]:
+        del mempool_id, include_traces
+        return memory_snapshot(None)
+
+    replacements = {
+        "memory_stats": memory_stats,
+        "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+        "memory_summary": memory_summary,
+        "memory_snapshot": _memory_snapshot,
+        "_snapshot": _snapshot,
+        "_dump_snapshot": _dump_snapshot,
+    }
+    for module in (torch.cuda.memory, torch.cuda):
+        for name, fn in replacements.items():
+            if hasattr(module, name):
+                setattr(module, name, fn)

@@ -1,0 +1,541 @@
+#!/usr/bin/env python3
+"""Real PyTorch workloads under four allocators, side by side, in one run.
+
+    python3 scripts/bench_workloads.py                 # everything (about 6 minutes on an H200)
+    python3 scripts/bench_workloads.py --workloads gpt2_train,prefetch_mlp --no-maxbatch
+
+Each workload runs in a fresh process per allocator:
+
+    native            PyTorch's caching allocator
+    expandable        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+    gpumem            gpumem.torch.install() (GPUMEM_CONF, default policy stitched)
+
+Workloads (models built from configs, nothing downloaded; the shapes of shared/anchors/wl.py,
+the Llama model built in bfloat16 directly on the GPU): GPT-2 small training at sequence 1024 (gpt2_train) and at a random
+sequence length 64-1024 per step (gpt2_varlen), ResNet-50 training (resnet50_train), a
+Llama-style decoder generating 96 tokens for prompts of random length and batch
+(llama_decode), and an MLP fed by a two-stream prefetch pipeline using record_stream
+(prefetch_mlp). Everything is seeded, so every allocator is asked for the same tensors.
+
+Reported per workload and allocator:
+
+- peak held: the most memory the allocator held from the driver. native and expandable:
+  reserved_bytes.all.peak; cudaMallocAsync: the default memory pool's
+  CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH (driver API, ctypes); gpumem: its reserved_bytes.all.peak.
+  Cross-check: the device's used memory (cuMemGetInfo) at step boundaries, less the value
+  before the workload (a lower bound that also counts CUDA libraries' own memory).
+- peak live: requested_bytes.all.peak of the *native* run (the sizes the tensors asked for),
+  the common denominator of every allocator's ratio.
+- ratio = peak held / peak live, and the median step time (warm-up steps excluded) divided by
+  native's.
+
+Then, for gpt2_varlen, the largest batch that fits under a fixed cap (--cap-gib, 20 GiB) with
+each allocator: binary search, one process per probe (the allocators' probes run side by side,
+each capped with torch.cuda.set_per_process_memory_fraction); a probe fits when it raises no
+out-of-memory error and its peak held stayed under the cap (cudaMallocAsync enforces the
+fraction on live bytes only, so its held peak is checked afterwards).
+
+Results: a table on stdout (last), JSON lines in $OUT/bench_workloads.jsonl (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+GIB = 1 << 30
+
+ALLOCATORS = ["native", "expandable", "cudaMallocAsync", "gpumem"]
+ALLOC_ENV = {
+    "native": None,
+    "expandable": "expandable_segments:True",
+    "cudaMallocAsync": "backend:cudaMallocAsync",
+    "gpumem": None,
+}
+
+# Steps per workload and warm-up steps left out of the median step time.
+WORKLOADS = {
+    "gpt2_train": {"steps": 6, "warmup": 2},
+    "gpt2_varlen": {"steps": 16, "warmup": 2},
+    "resnet50_train": {"steps": 8, "warmup": 2},
+    "llama_decode": {"steps": 6, "warmup": 1},
+    "prefetch_mlp": {"steps": 30, "warmup": 3},
+}
+
+# ANCHORS.md §1: held / live of PyTorch's three allocators on these workloads (H200, wl.py).
+ANCHOR_RATIOS = {
+    "gpt2_train": {"native": 1.034, "expandable": 1.097, "cudaMallocAsync": 1.084},
+    "gpt2_varlen": {"native": 1.722, "expandable": 1.071, "cudaMallocAsync": 1.088},
+    "resnet50_train": {"native": 1.127, "expandable": 1.007, "cudaMallocAsync": 1.014},
+    "llama_decode": {"native": 1.178, "expandable": 1.018, "cudaMallocAsync": 1.087},
+    "prefetch_mlp": {"native": 1.277, "expandable": 1.072, "cudaMallocAsync": 1.106},
+}
+
+MAXBATCH_WORKLOAD = "gpt2_varlen"
+MAXBATCH_STEPS = 6
+
+
+# --------------------------------------------------------------------------------------------
+# Child side: one workload under one allocator.
+# --------------------------------------------------------------------------------------------
+
+
+def gpt2_steps(torch, dev, steps, batch, lengths):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for i in range(steps):
+        x = torch.randint(0, 50257, (batch, lengths[i]), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+def resnet_steps(torch, dev, steps, batch=128):
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None).to(dev).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        x = torch.randn(batch, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (batch,), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+def llama_steps(torch, dev, steps, rng):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096,
+    )
+    # Built in bfloat16 directly on the GPU: initializing 1.2 B parameters on the CPU takes
+    # longer than the decoding itself, and every allocator sees the same requests either way.
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for _ in range(steps):
+            batch = rng.choice([1, 2, 4, 8])
+            prompt = rng.randint(64, 2048)
+            x = torch.randint(1, 32000, (batch, prompt), device=dev)
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=96,
+                           min_new_tokens=96, do_sample=False)
+            yield
+
+
+def prefetch_steps(torch, dev, steps, rng):
+    """Input batches copied host-to-device on a side stream, consumed on the main stream."""
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(4096, 4096), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+
+    def load():
+        host = torch.randn(rng.choice([256, 512, 1024, 2048]), 4096).pin_memory()
+        with torch.cuda.stream(side):
+            return host.to(dev, non_blocking=True)
+
+    nxt = load()
+    for _ in range(steps):
+        main.wait_stream(side)
+        x = nxt
+        x.record_stream(main)
+        nxt = load()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x
+        yield
+
+
+def varlen_lengths(steps, rng):
+    return [rng.randint(64, 1024) for _ in range(steps)]
+
+
+def make_workload(torch, name, steps, batch=None):
+    dev = torch.device("cuda")
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    if name == "gpt2_train":
+        return gpt2_steps(torch, dev, steps, batch or 16, [1024] * steps)
+    if name == "gpt2_varlen":
+        if batch is None:
+            lengths = varlen_lengths(steps, rng)
+        else:
+            # Max-batch probes: the same random lengths for every batch size, ending with the
+            # longest sequence, so the cap is tested after the layout has been churned.
+            lengths = varlen_lengths(steps - 1, rng) + [1024]
+        return gpt2_steps(torch, dev, steps, batch or 16, lengths)
+    if name == "resnet50_train":
+        return resnet_steps(torch, dev, steps, batch or 128)
+    if name == "llama_decode":
+        return llama_steps(torch, dev, steps, rng)
+    if name == "prefetch_mlp":
+        return prefetch_steps(torch, dev, steps, rng)
+    raise SystemExit(f"unknown workload {name}")
+
+
+class DriverPool:
+    """The CUDA driver's default memory pool of device 0, read through ctypes (what
+    backend:cudaMallocAsync allocates from)."""
+
+    RESERVED_MEM_HIGH = 6  # CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH
+    USED_MEM_HIGH = 8  # CU_MEMPOOL_ATTR_USED_MEM_HIGH
+
+    def __init__(self, ordinal: int = 0):
+        import ctypes
+
+        self.ct = ctypes
+        self.cuda = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        self._check(self.cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        self.pool = ctypes.c_void_p()
+        self._check(self.cuda.cuDeviceGetDefaultMemPool(ctypes.byref(self.pool), dev), "cuDeviceGetDefaultMemPool")
+
+    @staticmethod
+    def _check(rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+    def attribute(self, attr: int) -> int:
+        value = self.ct.c_uint64()
+        self._check(self.cuda.cuMemPoolGetAttribute(self.pool, attr, self.ct.byref(value)), "cuMemPoolGetAttribute")
+        return int(value.value)
+
+
+def child(args) -> None:
+    import torch
+
+    if args.allocator == "gpumem":
+        import gpumem
+
+        gpumem.torch.install()
+    torch.cuda.init()
+    total = torch.cuda.get_device_properties(0).total_memory
+    if args.cap_bytes:
+        torch.cuda.set_per_process_memory_fraction(args.cap_bytes / total, 0)
+    free0, _ = torch.cuda.mem_get_info()
+    used_peak = used0 = total - free0
+    spec = WORKLOADS[args.workload]
+    steps = args.steps or spec["steps"]
+    out = {
+        "workload": args.workload, "allocator": args.allocator, "batch": args.batch,
+        "cap_bytes": args.cap_bytes, "steps": steps, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0), "backend": torch.cuda.get_allocator_backend(),
+    }
+    times = []
+    oom = None
+    t = time.perf_counter()
+    try:
+        for _ in make_workload(torch, args.workload, steps, args.batch):
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            times.append(now - t)
+            free, _ = torch.cuda.mem_get_info()
+            used_peak = max(used_peak, total - free)
+            t = time.perf_counter()
+    except torch.cuda.OutOfMemoryError as e:
+        oom = f"OutOfMemoryError: {str(e)[:300]}"
+    except RuntimeError as e:
+        if "out of memory" not in str(e):
+            raise
+        oom = f"RuntimeError: {str(e)[:300]}"
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()  # gpumem's after install() (patched), else PyTorch's
+    warm = times[spec["warmup"]:] if len(times) > spec["warmup"] else times
+    out.update({
+        "oom": oom,
+        "step_s": times,
+        "median_step_s": statistics.median(warm) if warm else None,
+        "torch_reserved_peak": stats.get("reserved_bytes.all.peak"),
+        "allocated_peak": stats.get("allocated_bytes.all.peak"),
+        "requested_peak": stats.get("requested_bytes.all.peak"),
+        "num_ooms": stats.get("num_ooms"),
+        "num_device_alloc": stats.get("num_device_alloc"),
+        "num_device_free": stats.get("num_device_free"),
+        "driver_used_delta_peak": used_peak - used0,
+    })
+    if args.allocator == "cudaMallocAsync":
+        try:
+            pool = DriverPool(0)
+            out["peak_held"] = pool.attribute(DriverPool.RESERVED_MEM_HIGH)
+            out["pool_used_high"] = pool.attribute(DriverPool.USED_MEM_HIGH)
+            out["peak_held_source"] = "cuMemPoolGetAttribute(RESERVED_MEM_HIGH)"
+        except (OSError, AttributeError, RuntimeError) as e:
+            out["peak_held"] = out["torch_reserved_peak"]
+            out["peak_held_source"] = f"torch reserved_bytes.all.peak (driver query failed: {e})"
+    else:
+        out["peak_held"] = out["torch_reserved_peak"]
+        out["peak_held_source"] = "reserved_bytes.all.peak"
+    if args.allocator == "gpumem":
+        import gpumem
+
+        out["gpumem_conf"] = gpumem.torch.conf()
+        out["gpumem_errors"] = gpumem.torch.error_counts()
+        out["gpumem_oom_exception"] = gpumem.torch.oom_exception()
+    print(json.dumps(out), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: the runs, the search and the tables.
+# --------------------------------------------------------------------------------------------
+
+
+def run_child(workload, allocator, log_dir: Path, steps=None, batch=None, cap_bytes=None, timeout=300):
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    if ALLOC_ENV[allocator]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_ENV[allocator]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "--allocator", allocator]
+    if steps:
+        cmd += ["--steps", str(steps)]
+    if batch:
+        cmd += ["--batch", str(batch)]
+    if cap_bytes:
+        cmd += ["--cap-bytes", str(cap_bytes)]
+    tag = f"{workload}.{allocator}" + (f".b{batch}" if batch else "")
+    start = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr, rc = e.stdout or "", (e.stderr or "") + f"\ntimed out after {timeout} s", -1
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+        stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+    (log_dir / f"{tag}.log").write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    if rc == 0 and lines:
+        res = json.loads(lines[-1])
+    else:
+        tail = stderr.strip().splitlines()[-3:]
+        res = {"workload": workload, "allocator": allocator, "batch": batch,
+               "error": f"exit {rc}: {' | '.join(tail)}"}
+    res["wall_s"] = round(time.time() - start, 1)
+    return res
+
+
+def fmt_gib(b):
+    return "-" if b is None else f"{b / GIB:.2f}"
+
+
+def fmt_ratio(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def summarize(results, allocators):
+    """Rows of ratios and step-time ratios per workload."""
+    rows = []
+    for w in WORKLOADS:
+        runs = {a: results.get((w, a)) for a in allocators}
+        if not any(runs.values()):
+            continue
+        native = runs.get("native") or {}
+        live = native.get("requested_peak")
+        base_t = native.get("median_step_s")
+        row = {"workload": w, "peak_live": live, "alloc": {}}
+        for a, r in runs.items():
+            if r is None:
+                continue
+            cell = {"error": r.get("error") or r.get("oom")}
+            if live and r.get("peak_held"):
+                cell["ratio"] = r["peak_held"] / live
+            if base_t and r.get("median_step_s"):
+                cell["time"] = r["median_step_s"] / base_t
+            cell["driver_delta_ratio"] = (r["driver_used_delta_peak"] / live) if live and r.get("driver_used_delta_peak") else None
+            cell["peak_held"] = r.get("peak_held")
+            cell["requested_peak"] = r.get("requested_peak")
+            row["alloc"][a] = cell
+        anchors = [row["alloc"][a]["ratio"] for a in ("native", "expandable", "cudaMallocAsync")
+                   if a in row["alloc"] and "ratio" in row["alloc"][a]]
+        row["best_anchor_here"] = min(anchors) if anchors else None
+        row["best_anchor_published"] = min(ANCHOR_RATIOS[w].values())
+        g = row["alloc"].get("gpumem", {})
+        if "ratio" in g:
+            row["gpumem_ratio_ok"] = g["ratio"] <= 1.02
+            row["gpumem_beats_anchors"] = row["best_anchor_here"] is not None and g["ratio"] <= row["best_anchor_here"]
+        if "time" in g:
+            row["gpumem_time_ok"] = g["time"] <= 1.01
+        rows.append(row)
+    return rows
+
+
+def print_tables(rows, allocators, maxbatch, cap_bytes):
+    print()
+    print("Peak held from the driver / peak live (peak live = requested_bytes.all.peak of the native run)")
+    head = f"{'workload':<16}{'live GiB':>9}" + "".join(f"{a:>17}" for a in allocators) + f"{'best anchor':>13}  gpumem <=1.02 & <=best"
+    print(head)
+    for r in rows:
+        cells = []
+        for a in allocators:
+            c = r["alloc"].get(a)
+            if c is None:
+                cells.append(f"{'-':>17}")
+            elif "ratio" in c:
+                flag = "" if not c.get("error") else "!"
+                cells.append(f"{fmt_ratio(c['ratio']) + flag:>17}")
+            else:
+                cells.append(f"{'error':>17}")
+        verdict = "-"
+        if "gpumem_ratio_ok" in r:
+            verdict = ("yes" if r["gpumem_ratio_ok"] else "NO") + " / " + ("yes" if r["gpumem_beats_anchors"] else "NO")
+        print(f"{r['workload']:<16}{fmt_gib(r['peak_live']):>9}" + "".join(cells) + f"{fmt_ratio(r['best_anchor_here']):>13}  {verdict}")
+    print()
+    print("Median step time / native's (warm-up steps excluded); target for gpumem <= 1.01")
+    print(f"{'workload':<16}" + "".join(f"{a:>17}" for a in allocators))
+    for r in rows:
+        cells = [f"{fmt_ratio(r['alloc'].get(a, {}).get('time'), 3):>17}" for a in allocators]
+        print(f"{r['workload']:<16}" + "".join(cells))
+    print()
+    print("Cross-check: device used memory at step boundaries minus before (cuMemGetInfo) / peak live")
+    print(f"{'workload':<16}" + "".join(f"{a:>17}" for a in allocators))
+    for r in rows:
+        cells = [f"{fmt_ratio(r['alloc'].get(a, {}).get('driver_delta_ratio'), 3):>17}" for a in allocators]
+        print(f"{r['workload']:<16}" + "".join(cells))
+    errors = [(r["workload"], a, c["error"]) for r in rows for a, c in r["alloc"].items() if c.get("error")]
+    for w, a, e in errors:
+        print(f"! {w} under {a}: {e}")
+    if maxbatch:
+        print()
+        print(f"Largest {MAXBATCH_WORKLOAD} batch under a {cap_bytes / GIB:.0f} GiB cap ({MAXBATCH_STEPS} steps, random lengths ending at 1024)")
+        print(f"{'allocator':<17}{'fits':>6}{'fails':>7}{'held at fit GiB':>17}  why the next size failed")
+        for a in allocators:
+            m = maxbatch.get(a)
+            if not m:
+                continue
+            print(f"{a:<17}{m['fit'] or '-':>6}{m['fail'] or '-':>7}{fmt_gib(m.get('held_at_fit')):>17}  {m.get('why') or ''}")
+
+
+def probe_fits(r, cap_bytes):
+    if r.get("error"):
+        return False, r["error"][:120]
+    if r.get("oom"):
+        return False, "out of memory"
+    if r.get("peak_held") is not None and r["peak_held"] > cap_bytes:
+        return False, f"held {r['peak_held'] / GIB:.2f} GiB > cap"
+    return True, None
+
+
+def max_batch_search(allocators, cap_bytes, log_dir, jsonl, lo=1, hi=33, budget_s=240):
+    """Bisection over the batch size, per allocator, the allocators' probes in parallel."""
+    state = {a: {"fit": None, "fail": None, "lo": lo - 1, "hi": hi, "held_at_fit": None, "why": None} for a in allocators}
+    start = time.time()
+    rnd = 0
+    while time.time() - start < budget_s:
+        todo = {a: (s["lo"] + s["hi"]) // 2 for a, s in state.items() if s["hi"] - s["lo"] > 1}
+        if not todo:
+            break
+        rnd += 1
+        print(f"[maxbatch] round {rnd}: " + ", ".join(f"{a} b={b}" for a, b in todo.items()), flush=True)
+        with ThreadPoolExecutor(len(todo)) as pool:
+            futures = {a: pool.submit(run_child, MAXBATCH_WORKLOAD, a, log_dir, MAXBATCH_STEPS, b, cap_bytes, 300)
+                       for a, b in todo.items()}
+            for a, f in futures.items():
+                r = f.result()
+                r["probe"] = True
+                jsonl.write(json.dumps(r) + "\n")
+                jsonl.flush()
+                ok, why = probe_fits(r, cap_bytes)
+                s = state[a]
+                b = todo[a]
+                if ok:
+                    s["lo"], s["fit"], s["held_at_fit"] = b, b, r.get("peak_held")
+                else:
+                    s["hi"], s["fail"], s["why"] = b, b, why
+    else:
+        print(f"[maxbatch] stopped after {budget_s} s; bounds are partial", flush=True)
+    return state
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--allocators", default=",".join(ALLOCATORS))
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    ap.add_argument("--cap-gib", type=float, default=20.0)
+    ap.add_argument("--no-maxbatch", action="store_true")
+    ap.add_argument("--maxbatch-budget-s", type=float, default=240)
+    ap.add_argument("--steps", type=int, help="override every workload's step count")
+    # Child mode (used by the parent).
+    ap.add_argument("--child", metavar="WORKLOAD")
+    ap.add_argument("--allocator", choices=ALLOCATORS)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--cap-bytes", type=int)
+    args = ap.parse_args()
+    if args.child:
+        args.workload = args.child
+        child(args)
+        return 0
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    allocators = [a for a in args.allocators.split(",") if a]
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w} (known: {', '.join(WORKLOADS)})")
+    for a in allocators:
+        if a not in ALLOCATORS:
+            ap.error(f"unknown allocator {a} (known: {', '.join(ALLOCATORS)})")
+    if "native" not in allocators:
+        ap.error("the native run is the common denominator: keep it in --allocators")
+    out_dir = Path(args.out)
+    log_dir = out_dir / "bench_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = open(out_dir / "bench_workloads.jsonl", "w")
+
+    results = {}
+    n = len(workloads) * len(allocators)
+    t0 = time.time()
+    for i, (w, a) in enumerate(((w, a) for w in workloads for a in allocators), 1):
+        print(f"[{i}/{n}] {w} under {a} ...", end=" ", flush=True)
+        r = run_child(w, a, log_dir, steps=args.steps)
+        results[(w, a)] = r
+        jsonl.write(json.dumps(r) + "\n")
+        jsonl.flush()
+        status = r.get("error") or r.get("oom") or (
+            f"held {fmt_gib(r.get('peak_held'))} GiB, median step {1000 * (r.get('median_step_s') or 0):.1f} ms")
+        print(f"{status} ({r['wall_s']} s, {time.time() - t0:.0f} s in all)", flush=True)
+
+    maxbatch = None
+    cap_bytes = int(args.cap_gib * GIB)
+    if not args.no_maxbatch:
+        maxbatch = max_batch_search(allocators, cap_bytes, log_dir, jsonl, budget_s=args.maxbatch_budget_s)
+
+    rows = summarize(results, allocators)
+    summary = {"summary": rows, "maxbatch": maxbatch, "cap_bytes": cap_bytes,
+               "anchor_ratios_published": ANCHOR_RATIOS, "wall_s": round(time.time() - t0, 1)}
+    jsonl.write(json.dumps(summary) + "\n")
+    jsonl.close()
+    print_tables(rows, allocators, maxbatch, cap_bytes)
+    print(f"\n(all runs: {time.time() - t0:.0f} s; JSON lines in {out_dir / 'bench_workloads.jsonl'}, logs in {log_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The allocator PyTorch calls, exercised without PyTorch: the process-wide registry of
+gpumem.torch is switched to simulated devices, and the same code the exported C functions run
+is driven through gpumem._native (and, for failures, through the exported C function itself,
+called from C++ as PyTorch calls it). Each test uses its own simulated device, since the
+registry lives for the whole process."""
+
+import pytest
+
+import gpumem
+from gpumem import _native
+from conftest import GIB, MIB, TORCH_STAT_KEYS
+
+DEVICES = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def simulated_registry():
+    _native.torch_use_simulated_devices(DEVICES, GIB, True)
+    assert _native.torch_configure("policy:stitched") == "policy:stitched"
+    yield
+
+
+def test_stats_of_a_device_without_allocations_are_zero_with_torchs_keys():
+    s = gpumem.torch.memory_stats(DEVICES - 1)
+    assert set(s) == TORCH_STAT_KEYS
+    assert s["allocated_bytes.all.current"] == 0 and s["reserved_bytes.all.peak"] == 0
+    nested = gpumem.torch.memory_stats_as_nested_dict(DEVICES - 1)
+    assert nested["requested_bytes"]["large_pool"]["freed"] == 0
+    assert nested["max_split_size"] == -1
+
+
+def test_alloc_and_free_are_counted_exactly():
+    dev = 1
+    p = _native.torch_alloc(1000, dev, 0)
+    q = _native.torch_alloc(6 * MIB, dev, 0)
+    s = gpumem.torch.memory_stats(f"cuda:{dev}")
+    assert s["requested_bytes.all.current"] == 1000 + 6 * MIB
+    assert s["allocated_bytes.all.current"] == 1024 + 6 * MIB
+    assert gpumem.torch.memory_allocated(dev) == 1024 + 6 * MIB
+    assert gpumem.torch.memory_reserved(dev) == s["reserved_bytes.all.current"] > 0
+    assert dev in gpumem.torch.devices()
+    assert _native.torch_owner_device(q + 4096) == dev
+    assert _native.torch_free(p, dev, 0) == "freed"
+    assert _native.torch_free(q, dev, 0) == "freed"
+    assert gpumem.torch.memory_allocated(dev) == 0
+    assert gpumem.torch.max_memory_allocated(dev) == 1024 + 6 * MIB
+    gpumem.torch.reset_peak_memory_stats(dev)
+    assert gpumem.torch.max_memory_allocated(dev) == 0
+    assert _native.torch_owner_device(q) is None
+
+
+def test_zero_bytes_get_the_null_pointer_like_pytorch():
+    assert _native.torch_alloc(0, 2, 0) == 0
+    assert _native.torch_free(0, 2, 0) == "null"
+    assert _native.torch_call_alloc_from_cpp(0, 2, 0) == ("returned", 0)
+
+
+def test_misuse_is_counted_and_reported_never_fatal(capfd):
+    before = gpumem.torch.error_counts()
+    dev = 3
+    p = _native.torch_alloc(4096, dev, 0)
+    assert _native.torch_free(p, dev, 0) == "freed"
+    assert _native.torch_free(p, dev, 0) == "double_free"
+    assert _native.torch_free(0xBAD_0000, dev, 0) == "foreign"
+    assert _native.torch_free(0xBAD_0000, DEVICES - 2, 0) == "foreign"
+    assert _native.torch_record_stream(0xBAD_0000, 9) is False
+    after = gpumem.torch.error_counts()
+    assert after["double_frees"] - before["double_frees"] == 1
+    assert after["foreign_frees"] - before["foreign_frees"] == 2
+    assert after["record_stream_foreign"] - before["record_stream_foreign"] == 1
+    err = capfd.readouterr().err
+    if before["foreign_frees"] == 0:
+        assert "gpumem: warning: free of 0xbad0000" in err
+    # Still serving.
+    assert _native.torch_free(_native.torch_alloc(4096, dev, 0), dev, 0) == "freed"
+
+
+def test_record_stream_keeps_the_block_until_the_other_stream_is_done():
+    dev = 4
+    main, side = 0, 0x5000
+    x = _native.torch_alloc(16 * MIB, dev, main)
+    assert _native.torch_record_stream(x, side) is True
+    assert _native.torch_free(x, dev, main) == "freed"
+    y = _native.torch_alloc(16 * MIB, dev, main)
+    assert y != x
+    assert gpumem.torch.memory_stats(dev)["active_bytes.all.current"] == 32 * MIB
+    assert _native.torch_sim_complete_events(dev) == 1
+    _native.torch_free(y, dev, main)
+    z = _native.torch_alloc(16 * MIB, dev, main)
+    assert gpumem.torch.memory_stats(dev)["active_bytes.all.current"] == 16 * MIB
+    _native.torch_free(z, dev, main)
+
+
+def test_out_of_memory_is_thrown_to_the_cpp_caller_and_the_process_survives():
+    dev = 5
+    gpumem.torch.set_memory_fraction(0.25, dev)
+    kind, cpp_type, what = _native.torch_call_alloc_from_cpp(512 * MIB, dev, 0)
+    assert kind == "threw"
+    # Without PyTorch loaded c10's exception cannot be bound: the fallback type.
+    assert cpp_type == "gpumem::OutOfMemoryError" == gpumem.torch.oom_exception()
+    assert what.startswith("CUDA out of memory. gpumem on device 5")
+    assert "may hold at most 256.00 MiB" in what
+    with pytest.raises(gpumem.OutOfMemoryError, match="CUDA out of memory"):
+        _native.torch_alloc(512 * MIB, dev, 0)
+    assert gpumem.torch.memory_stats(dev)["num_ooms"] == 2
+    kind, ptr = _native.torch_call_alloc_from_cpp(64 * MIB, dev, 0)
+    assert kind == "returned" and ptr != 0
+    assert _native.torch_free(ptr, dev, 0) == "freed"
+    with pytest.raises(ValueError, match="0 <= fraction <= 1"):
+        gpumem.torch.set_memory_fraction(1.5, dev)
+    with pytest.raises(TypeError):
+        gpumem.torch.set_memory_fraction("half", dev)
+
+
+def test_bad_devices_fail_clearly():
+    kind, cpp_type, what = _native.torch_call_alloc_from_cpp(512, DEVICES + 1, 0)
+    assert (kind, cpp_type) == ("threw", "gpumem::Error")
+    assert "does not exist" in what
+    with pytest.raises(ValueError, match="invalid CUDA device index"):
+        gpumem.torch.memory_stats(-1)
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        gpumem.torch.memory_stats("cpu")
+
+
+def test_empty_cache_releases_all_devices():
+    dev = 6
+    p = _native.torch_alloc(100 * MIB, dev, 0)
+    _native.torch_free(p, dev, 0)
+    held = gpumem.torch.memory_reserved(dev)
+    assert held >= 100 * MIB
+    released = gpumem.torch.empty_cache()
+    assert released >= held
+    assert gpumem.torch.memory_reserved(dev) == 0
+
+
+def test_configuration_is_fixed_once_allocators_exist():
+    assert gpumem.torch.conf() == "policy:stitched"
+    with pytest.raises(ValueError, match="cannot change"):
+        _native.torch_configure("policy:buddy")
+    with pytest.raises(gpumem.GpumemError, match="choose the device source first"):
+        _native.torch_use_simulated_devices(2)
+
+
+def test_install_without_pytorch_says_what_is_missing():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("PyTorch is installed; test_torch_gpu.py covers install()")
+    with pytest.raises(gpumem.GpumemError, match="needs PyTorch"):
+        gpumem.torch.install()
+    assert not gpumem.torch.is_installed()
