@@ -268,6 +268,42 @@ mod tests {
         assert_eq!(format_uuid(&u), "GPU-00112233-4455-6677-8899-aabbccddeeff");
     }
 
+    /// The constants the host uses to predict kernel results must be the kernels' own.
+    #[test]
+    fn host_constants_match_the_kernel_source() {
+        use crate::measure::{bandwidth, compute};
+        for (name, value) in [
+            ("SMEM_BLOCK", u64::from(bandwidth::SMEM_BLOCK)),
+            ("SMEM_UNROLL", bandwidth::SMEM_UNROLL),
+            ("FMA_CHAINS", u64::from(compute::CHAINS)),
+            ("FMA_STEPS", u64::from(compute::STEPS)),
+        ] {
+            let line = format!("#define {name} {value}\n");
+            assert!(KERNEL_SOURCE.contains(&line), "probe.cu lacks {line:?}");
+        }
+        for k in [
+            "chase_l1",
+            "chase_cg",
+            "chase_smem",
+            "chase_build",
+            "copy_f4",
+            "copy_f4_x4",
+            "copy_f4_x4_cs",
+            "copy_f4_tile",
+            "read_f4_x4",
+            "smem_read",
+            "fma_peak",
+            "add_scalar",
+            "add_f4",
+            "add_strided",
+            "fill_u32",
+        ] {
+            let declared = KERNEL_SOURCE.contains(&format!(" {k}("))
+                || KERNEL_SOURCE.contains(&format!("\n{k}("));
+            assert!(declared, "kernel {k} missing");
+        }
+    }
+
     /// Compiles every kernel for sm_90 and for sm_80 with the NVRTC on this machine. Needs
     /// libnvrtc (not the driver); the device script runs it.
     #[test]
@@ -286,6 +322,7 @@ mod tests {
                 "copy_f4",
                 "copy_f4_x4",
                 "copy_f4_x4_cs",
+                "copy_f4_tile",
                 "read_f4_x4",
                 "smem_read",
                 "fma_peak",

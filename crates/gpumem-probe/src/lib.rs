@@ -109,9 +109,9 @@ impl ProbeOptions {
                 self.runs
             ));
         }
-        if self.hbm_bytes < 64 * MIB || self.hbm_bytes % 16 != 0 {
+        if self.hbm_bytes < 64 * MIB || self.hbm_bytes % (16 * 1024) != 0 {
             return bad(format!(
-                "the HBM buffer must be a multiple of 16 bytes and at least 64 MiB, not {}",
+                "the HBM buffer must be a multiple of 16 KiB and at least 64 MiB, not {}",
                 self.hbm_bytes
             ));
         }
@@ -304,8 +304,8 @@ fn run_inner(
                 1,
             )?);
             let l2_n4 = (opts.l2_read_bytes.min(l2 / 2) / 16) as usize;
-            // Enough passes over the L2-resident buffer for about 4 GB of reads.
-            let reps = ((4 * GIB) / (l2_n4 as u64 * 16)).clamp(10, 10_000) as u32;
+            // Enough passes over the L2-resident buffer for 8 GiB of reads (about a millisecond).
+            let reps = ((8 * GIB) / (l2_n4 as u64 * 16)).clamp(10, 10_000) as u32;
             bandwidth.push(measure::bandwidth::read(
                 &mut s,
                 &buf,

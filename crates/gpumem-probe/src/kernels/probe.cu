@@ -106,6 +106,19 @@ extern "C" __global__ void copy_f4_x4_cs(const float4* __restrict__ src, float4*
     for (; i < n4; i += t) __stcs(dst + i, __ldcs(src + i));
 }
 
+// One tile of 4 x blockDim float4 per block, a grid as large as the data (no grid-stride): each
+// thread loads four 16-byte words blockDim apart, then stores them (the layout PyTorch's
+// vectorised element-wise kernels use). n4 must be a multiple of 4 * blockDim; the host
+// checks that.
+extern "C" __global__ void copy_f4_tile(const float4* __restrict__ src, float4* __restrict__ dst,
+                                        u64 n4) {
+    const u64 base = (u64)blockIdx.x * blockDim.x * 4 + threadIdx.x;
+    const u32 b = blockDim.x;
+    if (base + 3 * b >= n4) return;  // only past the last tile: tiles are complete
+    float4 v0 = src[base], v1 = src[base + b], v2 = src[base + 2 * b], v3 = src[base + 3 * b];
+    dst[base] = v0; dst[base + b] = v1; dst[base + 2 * b] = v2; dst[base + 3 * b] = v3;
+}
+
 __device__ __forceinline__ float hsum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
 
 // Reads n4 float4 `reps` times through L2 only (ld.global.cg, so L1 cannot serve re-reads) and

@@ -69,7 +69,7 @@ pub(crate) fn hbm_copies(
     let n4 = (n / 4) as u64;
     let bytes = 2 * n as u64 * 4;
     let mut out = Vec::new();
-    let variants: [(&str, Option<&str>, &str); 4] = [
+    let variants: [(&str, Option<&str>, &str); 5] = [
         (
             "hbm_copy_f4",
             Some("copy_f4"),
@@ -85,6 +85,11 @@ pub(crate) fn hbm_copies(
             Some("copy_f4_x4_cs"),
             "the same with streaming cache hints (.cs)",
         ),
+        (
+            "hbm_copy_f4_tile",
+            Some("copy_f4_tile"),
+            "copy kernel, one 16 KiB tile per block, no grid-stride",
+        ),
         ("hbm_copy_driver", None, "driver copy (cuMemcpyDtoDAsync)"),
     ];
     for (id, kernel, label) in variants {
@@ -92,7 +97,16 @@ pub(crate) fn hbm_copies(
         let (launch, mut run): (String, CopyRun) = match kernel {
             Some(k) => {
                 let f = s.gpu.func(k)?;
-                let (cfg, _) = full_wave(s, k)?;
+                let cfg = if k == "copy_f4_tile" {
+                    // One block per tile of 4 x BLOCK float4 (hbm_bytes is a multiple of 16 KiB).
+                    LaunchConfig {
+                        grid_dim: ((n4 / (4 * u64::from(BLOCK))) as u32, 1, 1),
+                        block_dim: (BLOCK, 1, 1),
+                        shared_mem_bytes: 0,
+                    }
+                } else {
+                    full_wave(s, k)?.0
+                };
                 let stream = s.gpu.stream.clone();
                 (
                     launch_text(&cfg),
@@ -100,7 +114,8 @@ pub(crate) fn hbm_copies(
                         let mut l = stream.launch_builder(&f);
                         l.arg(&b.src).arg(&mut b.dst).arg(&n4);
                         // SAFETY: the copy kernels read src[0..n4) and write dst[0..n4) as
-                        // float4; both buffers hold 4 * n4 floats.
+                        // float4 (copy_f4_tile only whole tiles, and n4 is a whole number of
+                        // them); both buffers hold 4 * n4 floats.
                         unsafe { l.launch(cfg) }
                             .map(|_| ())
                             .ctx("launch a copy kernel")
@@ -224,8 +239,8 @@ pub(crate) fn read(
 }
 
 /// Must match SMEM_BLOCK and SMEM_UNROLL in probe.cu.
-const SMEM_BLOCK: u32 = 256;
-const SMEM_UNROLL: u64 = 8;
+pub(crate) const SMEM_BLOCK: u32 = 256;
+pub(crate) const SMEM_UNROLL: u64 = 8;
 
 /// Value of shared-memory word `i` in smem_read (small integers: exact float sums).
 fn smem_value(i: u32) -> u64 {

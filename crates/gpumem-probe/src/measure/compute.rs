@@ -9,8 +9,8 @@ use crate::stats::Stats;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Must match FMA_CHAINS and FMA_STEPS in probe.cu.
-const CHAINS: u32 = 8;
-const STEPS: u32 = 16;
+pub(crate) const CHAINS: u32 = 8;
+pub(crate) const STEPS: u32 = 16;
 const BLOCK: u32 = 256;
 /// x <- x * A + B: |A| < 1 keeps the chains bounded; both exact in f32.
 const A: f32 = 1.0 - 1.0 / 8192.0;
