@@ -10,7 +10,7 @@
 # On the GPU machine: the NVIDIA driver, an NVRTC library (the CUDA toolkit's or the
 # nvidia-cuda-nvrtc wheel's: found below and put on LD_LIBRARY_PATH), python3 with numpy and
 # cupy for the cross-check (skipped where missing). Run from the repository root with $OUT set.
-# Wall time: about 2 minutes.
+# Wall time: about 2 minutes, at most about 4 (the sanitizer pass is capped).
 #
 # A good result on an H200: every correctness check "ok"; HBM copy >= 4,250 GB/s; shared-memory
 # read >= 95 % of 128 B/clk/SM; pointer-chase latencies within 15 % of ANCHORS.md §4 (shared
@@ -122,14 +122,22 @@ EOF
 cat "$OUT/cupy_copy.json" 2>/dev/null || tail -n 3 "$OUT/cupy_copy.log"
 
 # --- 5. compute-sanitizer memcheck over a small probe (out-of-bounds accesses in any kernel).
+# smem_read (billions of shared-memory loads, all at thread-indexed addresses) is left
+# uninstrumented where the sanitizer accepts a kernel filter, so the pass fits its time limit.
 say "compute-sanitizer memcheck, small probe"
 if command -v compute-sanitizer >/dev/null; then
-    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 \
-        "$BIN" probe --quick --hbm-size 256MiB --chase-size 256MiB --elements 4194304 --quiet \
-        >"$OUT/sanitizer.txt" 2>&1
+    SMALL=(probe --quick --hbm-size 256MiB --chase-size 256MiB --elements 4194304 --quiet)
+    timeout 100 compute-sanitizer --tool memcheck --print-limit 20 --kernel-name-exclude kns=smem_read \
+        "$BIN" "${SMALL[@]}" >"$OUT/sanitizer.txt" 2>&1
     rc=$?
-    grep -E "ERROR SUMMARY|error" "$OUT/sanitizer.txt" | head -5
-    [[ $rc -eq 124 ]] && echo "(sanitizer pass timed out after 150 s; not a failure of the probe)"
+    if [[ $rc -ne 124 ]] && ! grep -q "ERROR SUMMARY" "$OUT/sanitizer.txt"; then
+        echo "(kernel filter not accepted; instrumenting every kernel)"
+        timeout 60 compute-sanitizer --tool memcheck --print-limit 20 \
+            "$BIN" "${SMALL[@]}" >"$OUT/sanitizer.txt" 2>&1
+        rc=$?
+    fi
+    grep -E "ERROR SUMMARY|rror" "$OUT/sanitizer.txt" | head -5
+    [[ $rc -eq 124 ]] && echo "(sanitizer pass timed out: incomplete, not a failure of the probe)"
 else
     echo "compute-sanitizer not on PATH"
 fi
@@ -201,6 +209,7 @@ for name, vals, anchor in rows:
 for i, r in enumerate(runs):
     t = ", ".join(f"{x['name']}: {'MET' if x['met'] else 'NOT MET'}" for x in r["targets"]) or "not evaluated"
     print(f"run {i + 1} targets: {t}")
-    print(f"run {i + 1} checks: {'all ok' if not r['failed_checks'] else r['failed_checks']}; {r['wall_seconds']:.0f} s")
+    print(f"run {i + 1} checks: {'all ok' if not r['failed_checks'] else r['failed_checks']}; "
+          f"errors: {r.get('errors') or 'none'}; {r['wall_seconds']:.0f} s")
 EOF
 exit $STATUS

@@ -93,9 +93,10 @@ pub fn run_probe(a: ProbeArgs) -> Result<(), String> {
     } else {
         print!("{}", render::probe_table(&report));
     }
-    if !report.failed_checks.is_empty() {
+    if !report.complete_and_correct() {
         return Err(format!(
-            "{} correctness check(s) failed: the figures of those kernels are not valid",
+            "{} measurement(s) could not run and {} correctness check(s) failed (listed above)",
+            report.errors.len(),
             report.failed_checks.len()
         ));
     }

@@ -178,6 +178,13 @@ fn run_inner(
             render::fmt_bytes(need)
         )));
     }
+    if opts.scope == Scope::Full && opts.hbm_chase_bytes < 4 * capacity.l2_bytes {
+        return Err(ProbeError::Options(format!(
+            "the HBM chase set ({}) must be at least 4 x L2 ({})",
+            render::fmt_bytes(opts.hbm_chase_bytes),
+            render::fmt_bytes(capacity.l2_bytes)
+        )));
+    }
     if opts.hbm_bytes < 4 * capacity.l2_bytes {
         return Err(ProbeError::Options(format!(
             "the HBM buffer ({}) must be at least 4 x L2 ({})",
@@ -277,51 +284,45 @@ fn run_inner(
                 render::fmt_bytes(spec.set_bytes),
                 spec.stride_bytes
             ));
-            if spec.cold && spec.set_bytes < 4 * l2 {
-                return Err(ProbeError::Options(format!(
-                    "the HBM chase set ({}) must be at least 4 x L2 ({})",
-                    render::fmt_bytes(spec.set_bytes),
-                    render::fmt_bytes(l2)
-                )));
-            }
-            latency.push(measure::latency::measure(&mut s, spec)?);
+            let what = format!("{} latency", spec.level);
+            latency.extend(s.attempt(&what, |s| measure::latency::measure(s, spec)));
         }
     }
 
     let mut bandwidth = Vec::new();
-    {
-        let mut buf = measure::bandwidth::hbm_buffers(&mut s, opts.hbm_bytes)?;
-        bandwidth.extend(measure::bandwidth::hbm_copies(&mut s, &mut buf)?);
+    if let Some(mut buf) = s.attempt("HBM buffers", |s| {
+        measure::bandwidth::hbm_buffers(s, opts.hbm_bytes)
+    }) {
+        for v in measure::bandwidth::COPY_VARIANTS {
+            bandwidth.extend(s.attempt(v.0, |s| measure::bandwidth::hbm_copy(s, &mut buf, v)));
+        }
         if opts.scope == Scope::Full {
             let n4 = buf.host.len() / 4;
-            bandwidth.push(measure::bandwidth::read(
-                &mut s,
-                &buf,
-                "hbm_read",
-                "HBM",
-                "read kernel (ld.global.cg, four 16 B loads in flight)",
-                n4,
-                1,
-            )?);
+            bandwidth.extend(s.attempt("hbm_read", |s| {
+                measure::bandwidth::read(
+                    s,
+                    &buf,
+                    "hbm_read",
+                    "HBM",
+                    "read kernel (ld.global.cg, four 16 B loads in flight)",
+                    n4,
+                    1,
+                )
+            }));
             let l2_n4 = (opts.l2_read_bytes.min(l2 / 2) / 16) as usize;
             // Enough passes over the L2-resident buffer for 8 GiB of reads (about a millisecond).
             let reps = ((8 * GIB) / (l2_n4 as u64 * 16)).clamp(10, 10_000) as u32;
-            bandwidth.push(measure::bandwidth::read(
-                &mut s,
-                &buf,
-                "l2_read",
-                "L2",
-                &format!(
-                    "{} read {reps} times (ld.global.cg: L1 bypassed)",
-                    render::fmt_bytes(l2_n4 as u64 * 16)
-                ),
-                l2_n4,
-                reps,
-            )?);
+            let label = format!(
+                "{} read {reps} times (ld.global.cg: L1 bypassed)",
+                render::fmt_bytes(l2_n4 as u64 * 16)
+            );
+            bandwidth.extend(s.attempt("l2_read", |s| {
+                measure::bandwidth::read(s, &buf, "l2_read", "L2", &label, l2_n4, reps)
+            }));
         }
     }
     if opts.scope == Scope::Full {
-        bandwidth.push(measure::bandwidth::shared(&mut s, 8192 + 37)?);
+        bandwidth.extend(s.attempt("smem_read", |s| measure::bandwidth::shared(s, 8192 + 37)));
     }
     let hbm_copy_peak = bandwidth
         .iter()
@@ -332,22 +333,25 @@ fn run_inner(
             gbps: b.gbps.median,
         });
 
-    let fp32 = measure::compute::fp32_peak(&mut s, 4096)?;
+    let fp32 = s.attempt("fp32 FMA peak", |s| measure::compute::fp32_peak(s, 4096));
     let (maj, min) = s.gpu.cc;
-    let bf16_datasheet =
+    let sm_count = s.gpu.sm_count;
+    let bf16_datasheet = fp32.as_ref().and_then(|f| {
         anchors::bf16_dense_flop_per_clk_per_sm(maj, min).map(|(rate, source)| DatasheetPeak {
             what: "dense bf16 tensor-core peak (datasheet rate, not measured)".into(),
             flop_per_clk_per_sm: rate,
-            sm_count: s.gpu.sm_count,
-            clock_hz: fp32.sm_clock_hz,
-            tflops: rate * f64::from(s.gpu.sm_count) * fp32.sm_clock_hz / 1e12,
+            sm_count,
+            clock_hz: f.sm_clock_hz,
+            tflops: rate * f64::from(sm_count) * f.sm_clock_hz / 1e12,
             source: source.into(),
-        });
+        })
+    });
     let roofline = hbm_copy_peak.as_ref().map(|p| Roofline {
         hbm_gbps: p.gbps,
         ridge_fp32: fp32
-            .verified
-            .then(|| fp32.tflops.median * 1e12 / (p.gbps * 1e9)),
+            .as_ref()
+            .filter(|f| f.verified)
+            .map(|f| f.tflops.median * 1e12 / (p.gbps * 1e9)),
         ridge_bf16_datasheet: bf16_datasheet
             .as_ref()
             .map(|d| d.tflops * 1e12 / (p.gbps * 1e9)),
@@ -355,8 +359,12 @@ fn run_inner(
 
     let mut elementwise = Vec::new();
     if opts.scope == Scope::Full {
-        elementwise =
-            measure::elementwise::add_three_ways(&mut s, opts.elementwise_elements as usize)?;
+        let n = opts.elementwise_elements as usize;
+        elementwise = s
+            .attempt("element-wise add", |s| {
+                measure::elementwise::add_three_ways(s, n)
+            })
+            .unwrap_or_default();
         if let Some(p) = &hbm_copy_peak {
             for e in &mut elementwise {
                 e.fraction_of_copy_peak = Some(e.gbps.median / p.gbps);
@@ -365,6 +373,7 @@ fn run_inner(
     }
 
     let failed_checks = std::mem::take(&mut s.failed_checks);
+    let errors = std::mem::take(&mut s.errors);
     let mut report = ProbeReport {
         schema: SCHEMA_VERSION,
         gpumem_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -375,12 +384,13 @@ fn run_inner(
         latency,
         bandwidth,
         hbm_copy_peak,
-        fp32: Some(fp32),
+        fp32,
         bf16_datasheet,
         roofline,
         elementwise,
         targets: Vec::new(),
         failed_checks,
+        errors,
         runs_per_measurement: opts.runs,
         wall_seconds: 0.0,
     };
@@ -493,7 +503,12 @@ mod tests {
     #[ignore = "needs a CUDA GPU"]
     fn probe_on_the_gpu() {
         let r = run(&ProbeOptions::quick(), &mut |m| eprintln!("{m}")).expect("probe runs");
-        assert!(r.failed_checks.is_empty(), "{:?}", r.failed_checks);
+        assert!(
+            r.complete_and_correct(),
+            "{:?} {:?}",
+            r.errors,
+            r.failed_checks
+        );
         assert_eq!(r.latency.len(), 5);
         let lat = |l: &str| r.latency_of(l).unwrap().cycles.median;
         assert!(lat("shared") < lat("L1") && lat("L1") < lat("L2") && lat("L2") < lat("HBM"));

@@ -155,6 +155,12 @@ pub fn probe_table(r: &ProbeReport) -> String {
             d.name
         );
     }
+    if !r.errors.is_empty() {
+        o.push_str("MEASUREMENTS THAT COULD NOT RUN:\n");
+        for e in &r.errors {
+            let _ = writeln!(o, "  - {e}");
+        }
+    }
     if r.failed_checks.is_empty() {
         o.push_str("Correctness: every kernel's output matched the host computation.\n");
     } else {
@@ -593,6 +599,7 @@ pub(crate) mod tests {
             }],
             targets: vec![],
             failed_checks: vec![],
+            errors: vec![],
             runs_per_measurement: 20,
             wall_seconds: 12.0,
         };
@@ -679,6 +686,17 @@ pub(crate) mod tests {
         assert!(text.contains("CORRECTNESS CHECKS FAILED"));
         assert!(text.contains("add_f4: 3 of 268435456"));
         assert!(text.contains("FAILED"));
+    }
+
+    #[test]
+    fn measurements_that_could_not_run_are_listed() {
+        let mut r = sample_report();
+        r.errors
+            .push("l2_read: allocate 1 MiB for per-thread sums: CUDA driver error".into());
+        assert!(!r.complete_and_correct());
+        let text = probe_table(&r);
+        assert!(text.contains("MEASUREMENTS THAT COULD NOT RUN"));
+        assert!(text.contains("l2_read: allocate"));
     }
 
     #[test]

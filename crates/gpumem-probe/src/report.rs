@@ -27,6 +27,8 @@ pub struct ProbeReport {
     pub targets: Vec<Target>,
     /// Correctness checks that failed (empty when every kernel's output matched the host).
     pub failed_checks: Vec<String>,
+    /// Measurements that could not run, with the reason; the rest of the report is valid.
+    pub errors: Vec<String>,
     pub runs_per_measurement: usize,
     pub wall_seconds: f64,
 }
@@ -175,9 +177,14 @@ pub struct Target {
 }
 
 impl ProbeReport {
-    /// True when every kernel's output matched the host and every target evaluated was met.
+    /// True when every target evaluated was met.
     pub fn all_targets_met(&self) -> bool {
         self.targets.iter().all(|t| t.met)
+    }
+
+    /// True when every measurement ran and every kernel's output matched the host.
+    pub fn complete_and_correct(&self) -> bool {
+        self.errors.is_empty() && self.failed_checks.is_empty()
     }
 
     pub fn latency_of(&self, level: &str) -> Option<&Latency> {

@@ -59,120 +59,118 @@ fn launch_text(cfg: &LaunchConfig) -> String {
     format!("{} x {} threads", cfg.grid_dim.0, cfg.block_dim.0)
 }
 
-/// The copy variants: three kernels and the driver's device-to-device copy. Each is checked
-/// (destination poisoned, then compared with the source bit for bit) and then timed.
-pub(crate) fn hbm_copies(
+/// The copy variants (id, kernel or `None` for the driver's copy, label).
+pub(crate) const COPY_VARIANTS: [(&str, Option<&str>, &str); 5] = [
+    (
+        "hbm_copy_f4",
+        Some("copy_f4"),
+        "copy kernel, 16 B per thread per step, grid-stride",
+    ),
+    (
+        "hbm_copy_f4_x4",
+        Some("copy_f4_x4"),
+        "copy kernel, four 16 B loads in flight per thread",
+    ),
+    (
+        "hbm_copy_f4_x4_cs",
+        Some("copy_f4_x4_cs"),
+        "the same with streaming cache hints (.cs)",
+    ),
+    (
+        "hbm_copy_f4_tile",
+        Some("copy_f4_tile"),
+        "copy kernel, one 16 KiB tile per block, no grid-stride",
+    ),
+    ("hbm_copy_driver", None, "driver copy (cuMemcpyDtoDAsync)"),
+];
+
+/// One copy variant: checked (destination poisoned, then compared with the source bit for
+/// bit), then timed.
+pub(crate) fn hbm_copy(
     s: &mut Session,
     buf: &mut HbmBuffers,
-) -> Result<Vec<Bandwidth>, ProbeError> {
+    (id, kernel, label): (&str, Option<&str>, &str),
+) -> Result<Bandwidth, ProbeError> {
     let n = buf.host.len();
     let n4 = (n / 4) as u64;
     let bytes = 2 * n as u64 * 4;
-    let mut out = Vec::new();
-    let variants: [(&str, Option<&str>, &str); 5] = [
-        (
-            "hbm_copy_f4",
-            Some("copy_f4"),
-            "copy kernel, 16 B per thread per step, grid-stride",
-        ),
-        (
-            "hbm_copy_f4_x4",
-            Some("copy_f4_x4"),
-            "copy kernel, four 16 B loads in flight per thread",
-        ),
-        (
-            "hbm_copy_f4_x4_cs",
-            Some("copy_f4_x4_cs"),
-            "the same with streaming cache hints (.cs)",
-        ),
-        (
-            "hbm_copy_f4_tile",
-            Some("copy_f4_tile"),
-            "copy kernel, one 16 KiB tile per block, no grid-stride",
-        ),
-        ("hbm_copy_driver", None, "driver copy (cuMemcpyDtoDAsync)"),
-    ];
-    for (id, kernel, label) in variants {
-        s.say(&format!("HBM bandwidth: {label}"));
-        let (launch, mut run): (String, CopyRun) = match kernel {
-            Some(k) => {
-                let f = s.gpu.func(k)?;
-                let cfg = if k == "copy_f4_tile" {
-                    // One block per tile of 4 x BLOCK float4 (hbm_bytes is a multiple of 16 KiB).
-                    LaunchConfig {
-                        grid_dim: ((n4 / (4 * u64::from(BLOCK))) as u32, 1, 1),
-                        block_dim: (BLOCK, 1, 1),
-                        shared_mem_bytes: 0,
-                    }
-                } else {
-                    full_wave(s, k)?.0
-                };
-                let stream = s.gpu.stream.clone();
-                (
-                    launch_text(&cfg),
-                    Box::new(move |b: &mut HbmBuffers| {
-                        let mut l = stream.launch_builder(&f);
-                        l.arg(&b.src).arg(&mut b.dst).arg(&n4);
-                        // SAFETY: the copy kernels read src[0..n4) and write dst[0..n4) as
-                        // float4 (copy_f4_tile only whole tiles, and n4 is a whole number of
-                        // them); both buffers hold 4 * n4 floats.
-                        unsafe { l.launch(cfg) }
-                            .map(|_| ())
-                            .ctx("launch a copy kernel")
-                    }),
-                )
-            }
-            None => {
-                let stream = s.gpu.stream.clone();
-                (
-                    "driver".to_string(),
-                    Box::new(move |b: &mut HbmBuffers| {
-                        stream
-                            .memcpy_dtod(&b.src, &mut b.dst)
-                            .ctx("cuMemcpyDtoDAsync")
-                    }),
-                )
-            }
-        };
-        // Check: poison, run once, compare.
-        {
-            // SAFETY: viewing the f32 destination as u32 of the same length to poison it; the
-            // bytes are overwritten by the copy before anything reads them as floats.
-            let mut as_u32 = unsafe { buf.dst.transmute_mut::<u32>(n) }
-                .ok_or_else(|| ProbeError::Internal("view the destination as u32".into()))?;
-            s.poison(&mut as_u32)?;
+    s.say(&format!("HBM bandwidth: {label}"));
+    let (launch, mut run): (String, CopyRun) = match kernel {
+        Some(k) => {
+            let f = s.gpu.func(k)?;
+            let cfg = if k == "copy_f4_tile" {
+                // One block per tile of 4 x BLOCK float4 (hbm_bytes is a multiple of 16 KiB).
+                LaunchConfig {
+                    grid_dim: ((n4 / (4 * u64::from(BLOCK))) as u32, 1, 1),
+                    block_dim: (BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                }
+            } else {
+                full_wave(s, k)?.0
+            };
+            let stream = s.gpu.stream.clone();
+            (
+                launch_text(&cfg),
+                Box::new(move |b: &mut HbmBuffers| {
+                    let mut l = stream.launch_builder(&f);
+                    l.arg(&b.src).arg(&mut b.dst).arg(&n4);
+                    // SAFETY: the copy kernels read src[0..n4) and write dst[0..n4) as
+                    // float4 (copy_f4_tile only whole tiles, and n4 is a whole number of
+                    // them); both buffers hold 4 * n4 floats.
+                    unsafe { l.launch(cfg) }
+                        .map(|_| ())
+                        .ctx("launch a copy kernel")
+                }),
+            )
         }
-        run(buf)?;
-        let got = s
-            .gpu
-            .stream
-            .clone_dtoh(&buf.dst)
-            .ctx(&format!("run {id}"))?;
-        let want = bits(&buf.host);
-        let (bad, first) = mismatches_u32(bits(&got), |i| want[i]);
-        drop(got);
-        let verified = s.check(
-            id,
-            (bad > 0).then(|| {
-                format!("{bad} of {n} floats differ from the source (first at {first:?})")
-            }),
-        );
-        let secs = s.gpu.time_runs(2, s.opts.runs, || run(buf))?;
-        out.push(Bandwidth {
-            id: id.to_string(),
-            level: "HBM".into(),
-            label: label.to_string(),
-            counted: "read + write".into(),
-            bytes_per_run: bytes,
-            gbps: gbps_stats(bytes, &secs)?,
-            launch,
-            sm_clock_hz: None,
-            bytes_per_clk_per_sm: None,
-            fraction_of_peak: None,
-            verified,
-        });
+        None => {
+            let stream = s.gpu.stream.clone();
+            (
+                "driver".to_string(),
+                Box::new(move |b: &mut HbmBuffers| {
+                    stream
+                        .memcpy_dtod(&b.src, &mut b.dst)
+                        .ctx("cuMemcpyDtoDAsync")
+                }),
+            )
+        }
+    };
+    // Check: poison, run once, compare.
+    {
+        // SAFETY: viewing the f32 destination as u32 of the same length to poison it; the
+        // bytes are overwritten by the copy before anything reads them as floats.
+        let mut as_u32 = unsafe { buf.dst.transmute_mut::<u32>(n) }
+            .ok_or_else(|| ProbeError::Internal("view the destination as u32".into()))?;
+        s.poison(&mut as_u32)?;
     }
-    Ok(out)
+    run(buf)?;
+    let got = s
+        .gpu
+        .stream
+        .clone_dtoh(&buf.dst)
+        .ctx(&format!("run {id}"))?;
+    let want = bits(&buf.host);
+    let (bad, first) = mismatches_u32(bits(&got), |i| want[i]);
+    drop(got);
+    let verified = s.check(
+        id,
+        (bad > 0)
+            .then(|| format!("{bad} of {n} floats differ from the source (first at {first:?})")),
+    );
+    let secs = s.gpu.time_runs(2, s.opts.runs, || run(buf))?;
+    Ok(Bandwidth {
+        id: id.to_string(),
+        level: "HBM".into(),
+        label: label.to_string(),
+        counted: "read + write".into(),
+        bytes_per_run: bytes,
+        gbps: gbps_stats(bytes, &secs)?,
+        launch,
+        sm_clock_hz: None,
+        bytes_per_clk_per_sm: None,
+        fraction_of_peak: None,
+        verified,
+    })
 }
 
 /// Reads the first `n4` float4 of the source `reps` times with ld.global.cg; every thread's sum

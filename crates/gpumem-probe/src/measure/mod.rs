@@ -20,6 +20,9 @@ pub(crate) struct Session<'a> {
     pub opts: &'a ProbeOptions,
     pub progress: &'a mut dyn FnMut(&str),
     pub failed_checks: Vec<String>,
+    /// Measurements that could not run (a driver error, too little memory): recorded so the
+    /// rest of the probe still runs and reports.
+    pub errors: Vec<String>,
     /// Distinct seed for every random input drawn in this run.
     next_seed: u64,
 }
@@ -31,6 +34,7 @@ impl<'a> Session<'a> {
             opts,
             progress,
             failed_checks: Vec::new(),
+            errors: Vec::new(),
             next_seed: opts.seed,
         }
     }
@@ -42,6 +46,23 @@ impl<'a> Session<'a> {
     pub fn seed(&mut self) -> u64 {
         self.next_seed = self.next_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
         self.next_seed
+    }
+
+    /// Runs one measurement; an error is recorded (and said) instead of ending the probe.
+    pub fn attempt<T>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&mut Session<'a>) -> Result<T, ProbeError>,
+    ) -> Option<T> {
+        match f(self) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let msg = format!("{what}: {e}");
+                (self.progress)(&format!("ERROR: {msg}"));
+                self.errors.push(msg);
+                None
+            }
+        }
     }
 
     /// Records a check: `None` passed, `Some(why)` failed. Returns whether it passed.
