@@ -75,6 +75,14 @@ for run in 1 2; do
     [[ $run -eq 1 ]] && cat "$OUT/probe_run$run.txt"
 done
 
+# --- 1b. The fallback for machines without NVRTC: the PTX shipped in the binary, JIT-compiled
+# by the driver (forced here, since this machine has NVRTC). Quick sizes.
+say "gpumem probe --quick with the shipped PTX"
+rm -f "$OUT/probe_shipped_ptx.json"
+GPUMEM_PROBE_PTX=shipped "$BIN" probe --quick --save "$OUT/probe_shipped_ptx.json" \
+    >"$OUT/probe_shipped_ptx.txt" 2>"$OUT/probe_shipped_ptx.log" || { echo "shipped-PTX probe failed"; STATUS=1; }
+head -n 1 "$OUT/probe_shipped_ptx.txt"
+
 # --- 2. The GPU tests of gpumem-probe (marked ignored for CI): kernels compile, quick probe.
 say "gpumem-probe GPU tests (--ignored)"
 TESTBIN=$(ls -t target/release/deps/gpumem_probe-* 2>/dev/null | grep -v '\.d$' | head -1)
@@ -158,8 +166,9 @@ for i in (1, 2):
 if not runs:
     print("no probe report: see probe_run1.log"); sys.exit(0)
 d = runs[0]["device"]
+nv = d.get("nvrtc_version")
 print(f"{d['name']}  sm_{d['compute_capability'][0]}{d['compute_capability'][1]}  {d['sm_count']} SMs  "
-      f"kernels for {d['compiled_for']}  NVRTC {d['nvrtc_version'][0]}.{d['nvrtc_version'][1]}")
+      f"kernels: {d['compiled_for']}  " + (f"NVRTC {nv[0]}.{nv[1]}" if nv else "no NVRTC"))
 def lat(r, lvl):
     for l in r["latency"]:
         if l["level"] == lvl:
@@ -206,6 +215,16 @@ w = max(len(r[0]) for r in rows)
 print(f"{'':{w}}  " + "  ".join(f"{'run ' + str(i + 1):>26}" for i in range(len(runs))) + f"  {'anchor':>14}")
 for name, vals, anchor in rows:
     print(f"{name:{w}}  " + "  ".join(f"{v:>26}" for v in vals) + f"  {anchor:>14}")
+try:
+    q = json.load(open(os.path.join(out, "probe_shipped_ptx.json")))
+    lq = {l["level"]: l["cycles"]["median"] for l in q["latency"]}
+    sm = next((b for b in q["bandwidth"] if b["id"] == "smem_read"), None)
+    print(f"shipped-PTX quick run ({q['device']['compiled_for'][:10]}): checks "
+          f"{'all ok' if not q['failed_checks'] else q['failed_checks']}, errors {q.get('errors') or 'none'}; "
+          f"copy peak {q['hbm_copy_peak']['gbps']:.0f} GB/s; smem {100 * sm['fraction_of_peak']:.1f} %; "
+          f"latency cycles " + ", ".join(f"{k} {v:.1f}" for k, v in lq.items()))
+except Exception as ex:
+    print(f"shipped-PTX quick run: no report ({type(ex).__name__}: {ex})")
 for i, r in enumerate(runs):
     t = ", ".join(f"{x['name']}: {'MET' if x['met'] else 'NOT MET'}" for x in r["targets"]) or "not evaluated"
     print(f"run {i + 1} targets: {t}")

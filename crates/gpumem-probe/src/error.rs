@@ -10,14 +10,6 @@ pub enum ProbeError {
     /// The driver loaded but reports no usable device.
     #[error("no CUDA device {ordinal}: {detail}")]
     NoDevice { ordinal: usize, detail: String },
-    /// libnvrtc could not be loaded, so the kernels cannot be compiled.
-    #[error(
-        "NVRTC (libnvrtc.so) could not be loaded, so the probe kernels cannot be compiled. \
-         It ships with the CUDA toolkit (lib64/) and with the `nvidia-cuda-nvrtc` Python wheel \
-         that PyTorch installs; put its folder on LD_LIBRARY_PATH, and if that folder only \
-         has a versioned name (libnvrtc.so.13), link libnvrtc.so to it"
-    )]
-    NoNvrtc,
     #[error("NVRTC could not compile the probe kernels for {arch}: {log}")]
     Compile { arch: String, log: String },
     /// A driver call failed; `what` says which step.

@@ -9,6 +9,14 @@ use std::sync::Arc;
 /// CUDA C source of every probe kernel.
 pub const KERNEL_SOURCE: &str = include_str!("kernels/probe.cu");
 
+/// The same kernels as PTX for compute_75 (PTX ISA 8.0), generated from [`KERNEL_SOURCE`] by
+/// tools/gen_ptx.py: used where NVRTC is not installed (the driver compiles it for the GPU), or
+/// when `GPUMEM_PROBE_PTX=shipped` asks for it.
+pub const SHIPPED_PTX: &str = include_str!("kernels/probe.ptx");
+
+/// Environment variable that forces the shipped PTX even where NVRTC is present.
+pub const FORCE_SHIPPED_PTX_ENV: &str = "GPUMEM_PROBE_PTX";
+
 /// True when libcuda can be loaded. cudarc panics on its first call where it cannot, so this is
 /// asked before anything else.
 pub fn driver_present() -> bool {
@@ -33,7 +41,7 @@ pub(crate) struct Gpu {
     pub cc: (i32, i32),
     pub sm_count: u32,
     pub driver_version: i32,
-    pub nvrtc_version: (i32, i32),
+    pub nvrtc_version: Option<(i32, i32)>,
     pub compiled_for: String,
 }
 
@@ -76,29 +84,44 @@ impl Gpu {
             .result()
             .ctx("read the driver version")?;
 
-        if !nvrtc_present() {
-            return Err(ProbeError::NoNvrtc);
-        }
-        let (mut maj, mut min) = (0, 0);
-        // SAFETY: nvrtcVersion writes two ints through valid pointers; libnvrtc is loaded.
-        unsafe { nvrtc::sys::nvrtcVersion(&mut maj, &mut min) };
-        let (ptx, compiled_for) = compile(cc)?;
+        let force_shipped = std::env::var(FORCE_SHIPPED_PTX_ENV).is_ok_and(|v| v == "shipped");
+        let (ptx, compiled_for, nvrtc_version) = if force_shipped || !nvrtc_present() {
+            let why = if force_shipped {
+                format!("{FORCE_SHIPPED_PTX_ENV}=shipped")
+            } else {
+                "NVRTC not found".to_string()
+            };
+            (
+                nvrtc::Ptx::from_src(SHIPPED_PTX),
+                format!("compute_75 PTX shipped with gpumem ({why}), JIT-compiled by the driver"),
+                None,
+            )
+        } else {
+            let (mut maj, mut min) = (0, 0);
+            // SAFETY: nvrtcVersion writes two ints through valid pointers; libnvrtc is loaded.
+            unsafe { nvrtc::sys::nvrtcVersion(&mut maj, &mut min) };
+            let (ptx, arch) = compile(cc)?;
+            (ptx, arch, Some((maj, min)))
+        };
         let module = ctx.load_module(ptx).map_err(|e| {
-            let mut err = ProbeError::driver(
-                format!("load the kernels compiled for {compiled_for} (driver JIT of the PTX)"),
-                e,
-            );
             if e.0 == sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION {
-                err = ProbeError::Compile {
+                let nvrtc = nvrtc_version
+                    .map(|(a, b)| format!("NVRTC {a}.{b}"))
+                    .unwrap_or_else(|| "the shipped PTX".into());
+                ProbeError::Compile {
                     arch: compiled_for.clone(),
                     log: format!(
-                        "NVRTC {maj}.{min} emits PTX newer than this driver ({}) accepts: use an \
-                         NVRTC no newer than the driver's CUDA version",
+                        "{nvrtc} emits PTX newer than this driver ({}) accepts: use an NVRTC no \
+                         newer than the driver's CUDA version",
                         format_version(driver_version)
                     ),
-                };
+                }
+            } else {
+                ProbeError::driver(
+                    format!("load the kernels ({compiled_for}; the driver compiles the PTX)"),
+                    e,
+                )
             }
-            err
         })?;
         Ok(Gpu {
             ctx,
@@ -110,7 +133,7 @@ impl Gpu {
             cc,
             sm_count,
             driver_version,
-            nvrtc_version: (maj, min),
+            nvrtc_version,
             compiled_for,
         })
     }
@@ -257,6 +280,25 @@ pub fn format_version(v: i32) -> String {
 mod tests {
     use super::*;
 
+    /// Every kernel the probe launches.
+    const KERNELS: [&str; 15] = [
+        "chase_l1",
+        "chase_cg",
+        "chase_smem",
+        "chase_build",
+        "copy_f4",
+        "copy_f4_x4",
+        "copy_f4_x4_cs",
+        "copy_f4_tile",
+        "read_f4_x4",
+        "smem_read",
+        "fma_peak",
+        "add_scalar",
+        "add_f4",
+        "add_strided",
+        "fill_u32",
+    ];
+
     #[test]
     fn versions_and_uuids_are_formatted_like_nvidia_smi() {
         assert_eq!(format_version(13000), "13.0");
@@ -281,26 +323,34 @@ mod tests {
             let line = format!("#define {name} {value}\n");
             assert!(KERNEL_SOURCE.contains(&line), "probe.cu lacks {line:?}");
         }
-        for k in [
-            "chase_l1",
-            "chase_cg",
-            "chase_smem",
-            "chase_build",
-            "copy_f4",
-            "copy_f4_x4",
-            "copy_f4_x4_cs",
-            "copy_f4_tile",
-            "read_f4_x4",
-            "smem_read",
-            "fma_peak",
-            "add_scalar",
-            "add_f4",
-            "add_strided",
-            "fill_u32",
-        ] {
+        for k in KERNELS {
             let declared = KERNEL_SOURCE.contains(&format!(" {k}("))
                 || KERNEL_SOURCE.contains(&format!("\n{k}("));
             assert!(declared, "kernel {k} missing");
+        }
+    }
+
+    /// FNV-1a, 64 bits (the hash tools/gen_ptx.py writes into the shipped PTX's first line).
+    fn fnv1a64(data: &[u8]) -> u64 {
+        data.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
+    #[test]
+    fn shipped_ptx_is_generated_from_the_current_source() {
+        let first = SHIPPED_PTX.lines().next().unwrap();
+        let want = format!("fnv1a64={:016x}", fnv1a64(KERNEL_SOURCE.as_bytes()));
+        assert!(
+            first.contains(&want),
+            "probe.cu changed: regenerate probe.ptx with tools/gen_ptx.py ({first})"
+        );
+        assert!(SHIPPED_PTX.contains(".target sm_75"));
+        for k in KERNELS {
+            assert!(
+                SHIPPED_PTX.contains(&format!(".entry {k}(")),
+                "kernel {k} missing"
+            );
         }
     }
 
@@ -314,23 +364,7 @@ mod tests {
             let (ptx, arch) = compile(cc).expect("kernels compile");
             assert_eq!(arch, format!("sm_{}{}", cc.0, cc.1));
             let src = ptx.to_src();
-            for k in [
-                "chase_l1",
-                "chase_cg",
-                "chase_smem",
-                "chase_build",
-                "copy_f4",
-                "copy_f4_x4",
-                "copy_f4_x4_cs",
-                "copy_f4_tile",
-                "read_f4_x4",
-                "smem_read",
-                "fma_peak",
-                "add_scalar",
-                "add_f4",
-                "add_strided",
-                "fill_u32",
-            ] {
+            for k in KERNELS {
                 assert!(src.contains(&format!(".entry {k}(")), "kernel {k} missing");
             }
             // The L2 and HBM chases must bypass L1; the shared-memory read must be 16 B wide.

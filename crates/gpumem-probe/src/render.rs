@@ -77,14 +77,15 @@ pub fn probe_table(r: &ProbeReport) -> String {
     let d = &r.device;
     let _ = writeln!(
         o,
-        "gpumem probe: {} (compute capability {}.{}, {} SMs), driver {}, NVRTC {}.{}, kernels compiled for {}",
+        "gpumem probe: {} (compute capability {}.{}, {} SMs), driver {}, {}, kernels: {}",
         d.name,
         d.compute_capability.0,
         d.compute_capability.1,
         d.sm_count,
         crate::format_version(d.driver_version),
-        d.nvrtc_version.0,
-        d.nvrtc_version.1,
+        d.nvrtc_version
+            .map(|(a, b)| format!("NVRTC {a}.{b}"))
+            .unwrap_or_else(|| "no NVRTC".into()),
         d.compiled_for
     );
     let mut clocks = Vec::new();
@@ -537,7 +538,7 @@ pub(crate) mod tests {
                 compute_capability: (9, 0),
                 sm_count: 132,
                 driver_version: 13000,
-                nvrtc_version: (13, 0),
+                nvrtc_version: Some((13, 0)),
                 compiled_for: "sm_90".into(),
                 nominal_sm_clock_khz: Some(1_980_000),
             },

@@ -42,9 +42,10 @@ pub struct DeviceSummary {
     pub sm_count: u32,
     /// Driver API version, e.g. 13000 for CUDA 13.0.
     pub driver_version: i32,
-    /// NVRTC version (major, minor).
-    pub nvrtc_version: (i32, i32),
-    /// The `--gpu-architecture` NVRTC compiled the kernels for.
+    /// NVRTC version (major, minor); `None` where the shipped PTX was used instead.
+    pub nvrtc_version: Option<(i32, i32)>,
+    /// What the kernels were built for: the `--gpu-architecture` NVRTC compiled for, or the
+    /// shipped PTX.
     pub compiled_for: String,
     /// Nominal maximum SM clock from the device attribute, kHz.
     pub nominal_sm_clock_khz: Option<u64>,
