@@ -132,10 +132,13 @@ pub struct IntensityArgs {
     /// Describe the kernel by its kind and size instead of --flops/--bytes.
     #[arg(long, value_enum)]
     kind: Option<Kind>,
+    /// GEMM: rows of A and C.
     #[arg(long)]
     m: Option<u64>,
+    /// GEMM: columns of B and C.
     #[arg(long)]
     n: Option<u64>,
+    /// GEMM: the shared (reduction) dimension.
     #[arg(long)]
     k: Option<u64>,
     /// Elements of an element-wise kernel.
