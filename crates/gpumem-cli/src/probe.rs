@@ -20,7 +20,7 @@ pub struct ProbeArgs {
     /// Also write the JSON report to this file.
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Smaller buffers and 10 runs: a few seconds instead of tens.
+    /// Smaller buffers (1 GiB) and 10 runs, for a shorter run.
     #[arg(long)]
     quick: bool,
     /// Timed runs per measurement (the median is reported; at least 10).

@@ -90,7 +90,7 @@ impl Default for ProbeOptions {
 }
 
 impl ProbeOptions {
-    /// Smaller buffers and the minimum of runs: a few seconds instead of tens.
+    /// Smaller buffers (1 GiB) and the minimum of 10 runs, for a shorter run.
     pub fn quick() -> Self {
         ProbeOptions {
             runs: 10,
@@ -310,7 +310,7 @@ fn run_inner(
                 )
             }));
             let l2_n4 = (opts.l2_read_bytes.min(l2 / 2) / 16) as usize;
-            // Enough passes over the L2-resident buffer for 8 GiB of reads (about a millisecond).
+            // Enough passes over the L2-resident buffer for 8 GiB of reads.
             let reps = ((8 * GIB) / (l2_n4 as u64 * 16)).clamp(10, 10_000) as u32;
             let label = format!(
                 "{} read {reps} times (ld.global.cg: L1 bypassed)",

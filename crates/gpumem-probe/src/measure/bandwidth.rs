@@ -279,6 +279,12 @@ pub(crate) fn shared(s: &mut Session, trips: u32) -> Result<Bandwidth, ProbeErro
         // clocks[4 * block + 0..4) for each of its `grid` blocks.
         unsafe { l.launch(cfg) }.map(|_| ()).ctx("launch smem_read")
     };
+    {
+        // SAFETY: poisoning the per-thread sums through a u32 view of the same length.
+        let mut o = unsafe { out.transmute_mut::<u32>(threads) }
+            .ok_or_else(|| ProbeError::Internal("view sums as u32".into()))?;
+        s.poison(&mut o)?;
+    }
     run(&mut out, &mut clocks)?;
     let got = stream.clone_dtoh(&out).ctx("run smem_read")?;
     let want: Vec<u64> = (0..SMEM_BLOCK).map(|t| smem_expected(t, trips)).collect();

@@ -52,6 +52,12 @@ pub(crate) fn fp32_peak(s: &mut Session, trips: u32) -> Result<ComputePeak, Prob
         // clocks[4 * block + 0..4) for each of its `grid` blocks.
         unsafe { l.launch(cfg) }.map(|_| ()).ctx("launch fma_peak")
     };
+    {
+        // SAFETY: poisoning the results through a u32 view of the same length.
+        let mut o = unsafe { out.transmute_mut::<u32>(threads) }
+            .ok_or_else(|| ProbeError::Internal("view results as u32".into()))?;
+        s.poison(&mut o)?;
+    }
     run(&mut out, &mut clocks)?;
     let got = stream.clone_dtoh(&out).ctx("run fma_peak")?;
     let want: Vec<f32> = (0..8).map(|lane| fma_expected(lane, trips)).collect();

@@ -167,6 +167,12 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
         if let Some(buf) = flush.as_mut() {
             s.gpu.stream.memset_zeros(buf).ctx("flush L2")?;
         }
+        {
+            // SAFETY: poisoning the three u64 results through a view of six u32.
+            let mut o = unsafe { out.transmute_mut::<u32>(6) }
+                .ok_or_else(|| ProbeError::Internal("view the chase result as u32".into()))?;
+            s.poison(&mut o)?;
+        }
         let start = start_line * stride_words;
         let mut b = s.gpu.stream.launch_builder(&f);
         b.arg(&chain);
