@@ -5,12 +5,15 @@
 # printed last.
 #
 # Needs, built on the development machine beforehand and carried in target/release/:
-#   cargo build --release -p gpumem-cli                 # target/release/gpumem
-#   cargo test  --release -p gpumem-probe --no-run      # target/release/deps/gpumem_probe-*
+#   cargo build --release -p gpumem-cli                 # target/release/gpumem (~18 MB)
+#   cargo test  --release -p gpumem-probe --no-run      # target/release/deps/gpumem_probe-<hash>
+#   cp "$(ls -t target/release/deps/gpumem_probe-* | grep -v '\.d$' | head -1)" \
+#      target/release/gpumem-probe-gpu-tests            # (~13 MB) so only two files need carrying
 # On the GPU machine: the NVIDIA driver, an NVRTC library (the CUDA toolkit's or the
 # nvidia-cuda-nvrtc wheel's: found below and put on LD_LIBRARY_PATH), python3 with numpy and
 # cupy for the cross-check (skipped where missing). Run from the repository root with $OUT set.
-# Wall time: about 2 minutes, at most about 4 (the sanitizer pass is capped).
+# Wall time: estimated at 2 to 3 minutes (not yet timed on the GPU); the sanitizer pass is capped
+# at 100 s (+60 s for a retry without its kernel filter), so at most about 5.
 #
 # A good result on an H200: every correctness check "ok"; HBM copy >= 4,250 GB/s; shared-memory
 # read >= 95 % of 128 B/clk/SM; pointer-chase latencies within 15 % of ANCHORS.md §4 (shared
@@ -85,7 +88,8 @@ head -n 1 "$OUT/probe_shipped_ptx.txt"
 
 # --- 2. The GPU tests of gpumem-probe (marked ignored for CI): kernels compile, quick probe.
 say "gpumem-probe GPU tests (--ignored)"
-TESTBIN=$(ls -t target/release/deps/gpumem_probe-* 2>/dev/null | grep -v '\.d$' | head -1)
+TESTBIN=target/release/gpumem-probe-gpu-tests
+[[ -x $TESTBIN ]] || TESTBIN=$(ls -t target/release/deps/gpumem_probe-* 2>/dev/null | grep -v '\.d$' | head -1)
 if [[ -n $TESTBIN && -x $TESTBIN ]]; then
     "$TESTBIN" --ignored --test-threads 1 >"$OUT/gpu_tests.txt" 2>&1
     rc=$?
