@@ -1,7 +1,7 @@
 //! Streaming bandwidth: HBM copy (several kernels and the driver's copy) and read, an L2-resident
 //! read, and the shared-memory read against 128 B/clk/SM at the clock measured in the kernel.
 
-use super::{bits, gbps_stats, Session};
+use super::{bits, download, gbps_stats, Session};
 use crate::anchors::SMEM_BYTES_PER_CLK_PER_SM;
 use crate::error::{DriverContext, ProbeError};
 use crate::hostdata::{fill_random, mismatches_u32, per_thread_sums};
@@ -144,11 +144,7 @@ pub(crate) fn hbm_copy(
         s.poison(&mut as_u32)?;
     }
     run(buf)?;
-    let got = s
-        .gpu
-        .stream
-        .clone_dtoh(&buf.dst)
-        .ctx(&format!("run {id}"))?;
+    let got = download(&s.gpu.stream, &buf.dst, &format!("run {id}"))?;
     let want = bits(&buf.host);
     let (bad, first) = mismatches_u32(bits(&got), |i| want[i]);
     drop(got);
@@ -208,7 +204,7 @@ pub(crate) fn read(
         s.poison(&mut p)?;
     }
     run(&mut partial)?;
-    let got = stream.clone_dtoh(&partial).ctx(&format!("run {id}"))?;
+    let got = download(&stream, &partial, &format!("run {id}"))?;
     let want = per_thread_sums(&buf.host, n4, threads as usize);
     let bad = got
         .iter()
@@ -286,7 +282,7 @@ pub(crate) fn shared(s: &mut Session, trips: u32) -> Result<Bandwidth, ProbeErro
         s.poison(&mut o)?;
     }
     run(&mut out, &mut clocks)?;
-    let got = stream.clone_dtoh(&out).ctx("run smem_read")?;
+    let got = download(&stream, &out, "run smem_read")?;
     let want: Vec<u64> = (0..SMEM_BLOCK).map(|t| smem_expected(t, trips)).collect();
     let bad = got
         .iter()
@@ -303,7 +299,7 @@ pub(crate) fn shared(s: &mut Session, trips: u32) -> Result<Bandwidth, ProbeErro
         Ok(())
     })?;
     // The clock of the last timed run, per block: cycles over nanoseconds.
-    let c = stream.clone_dtoh(&clocks).ctx("read block clocks")?;
+    let c = download(&stream, &clocks, "read block clocks")?;
     for b in c.chunks_exact(4) {
         let (cycles, ns) = (b[1].wrapping_sub(b[0]), b[3].wrapping_sub(b[2]));
         if ns > 0 {

@@ -1,7 +1,7 @@
 //! fp32 FMA throughput, measured with a kernel of independent FMA chains, at the SM clock read
 //! inside that kernel.
 
-use super::Session;
+use super::{download, Session};
 use crate::anchors::fp32_lanes_per_sm;
 use crate::error::{DriverContext, ProbeError};
 use crate::report::ComputePeak;
@@ -59,7 +59,7 @@ pub(crate) fn fp32_peak(s: &mut Session, trips: u32) -> Result<ComputePeak, Prob
         s.poison(&mut o)?;
     }
     run(&mut out, &mut clocks)?;
-    let got = stream.clone_dtoh(&out).ctx("run fma_peak")?;
+    let got = download(&stream, &out, "run fma_peak")?;
     let want: Vec<f32> = (0..8).map(|lane| fma_expected(lane, trips)).collect();
     let bad = got
         .iter()
@@ -73,7 +73,7 @@ pub(crate) fn fp32_peak(s: &mut Session, trips: u32) -> Result<ComputePeak, Prob
     let secs = s
         .gpu
         .time_runs(2, s.opts.runs, || run(&mut out, &mut clocks))?;
-    let c = stream.clone_dtoh(&clocks).ctx("read block clocks")?;
+    let c = download(&stream, &clocks, "read block clocks")?;
     let samples: Vec<f64> = c
         .chunks_exact(4)
         .filter(|b| b[3] > b[2])

@@ -1,7 +1,7 @@
 //! The element-wise add c = a + b three ways: naive scalar, coalesced and vectorised, and
 //! deliberately strided; each checked exactly against the host on fresh random inputs.
 
-use super::{bits, gbps_stats, Session};
+use super::{bits, download, gbps_stats, Session};
 use crate::error::{DriverContext, ProbeError};
 use crate::hostdata::{fill_random, mismatches_u32};
 use crate::report::Elementwise;
@@ -96,7 +96,7 @@ pub(crate) fn add_three_ways(s: &mut Session, n: usize) -> Result<Vec<Elementwis
                 .ctx(&format!("launch {}", v.kernel))
         };
         run(&mut c)?;
-        let got = stream.clone_dtoh(&c).ctx(&format!("run {}", v.kernel))?;
+        let got = download(&stream, &c, &format!("run {}", v.kernel))?;
         let (bad, first) = mismatches_u32(bits(&got), |i| (a_host[i] + b_host[i]).to_bits());
         drop(got);
         let verified = s.check(

@@ -3,7 +3,7 @@
 //! %globaltimer read around the timed chain give cycles and nanoseconds per load, and their
 //! ratio the SM clock the chase really ran at.
 
-use super::Session;
+use super::{download, Session};
 use crate::error::{DriverContext, ProbeError};
 use crate::report::Latency;
 use crate::stats::Stats;
@@ -185,11 +185,7 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
         // `chain`; the shared variant copies `words` words into `words * 4` bytes of dynamic
         // shared memory) and write out[0..3).
         unsafe { b.launch(cfg) }.ctx(&format!("launch {kernel}"))?;
-        let res = s
-            .gpu
-            .stream
-            .clone_dtoh(&out)
-            .ctx(&format!("run {kernel}"))?;
+        let res = download(&s.gpu.stream, &out, &format!("run {kernel}"))?;
         let want = walk(&next, start_line, per_launch) * stride_words;
         let ok = res[2] == u64::from(want);
         verified &= s.check(

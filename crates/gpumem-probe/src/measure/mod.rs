@@ -111,6 +111,18 @@ impl<'a> Session<'a> {
     }
 }
 
+/// Copies a device buffer to the host and waits for the copy (and everything before it on the
+/// stream), so a failed kernel is reported here, under `what`.
+pub(crate) fn download<T: cudarc::driver::DeviceRepr, S: cudarc::driver::DevicePtr<T>>(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    src: &S,
+    what: &str,
+) -> Result<Vec<T>, ProbeError> {
+    let v = stream.clone_dtoh(src).ctx(what)?;
+    stream.synchronize().ctx(what)?;
+    Ok(v)
+}
+
 /// The bytes-per-second of each run as GB/s statistics.
 pub(crate) fn gbps_stats(bytes: u64, secs: &[f64]) -> Result<crate::stats::Stats, ProbeError> {
     let v: Vec<f64> = secs.iter().map(|s| bytes as f64 / s / 1e9).collect();
