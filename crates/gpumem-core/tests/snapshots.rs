@@ -294,3 +294,67 @@ fn the_checker_finds_disagreements() {
     let e = check_replayable(&bad).unwrap_err();
     assert!(e.contains("no block"), "{e}");
 }
+
+/// Python's own pickle module reads gpumem's snapshots, and finds PyTorch's keys and types
+/// (compared with a snapshot PyTorch wrote, when the shared traces are there).
+#[test]
+fn python_reads_the_snapshot_with_torchs_keys_and_types() {
+    let python = std::process::Command::new("python3")
+        .arg("--version")
+        .output();
+    if !python.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let (sim, _) = SimBackend::new(SimConfig {
+        total_bytes: 64 * MIB,
+        ..SimConfig::default()
+    });
+    let a = Allocator::new(
+        Box::new(sim),
+        Config::parse("policy:stitched,history:1000,leak_check:1,backtraces:1").unwrap(),
+    )
+    .unwrap();
+    let mut live = Vec::new();
+    for i in 0..20u64 {
+        live.push(a.allocate((i + 1) * 300_000, i % 2).unwrap());
+    }
+    for p in live.iter().step_by(3) {
+        a.free_allocation(p).unwrap();
+    }
+    assert!(a.allocate(60 * MIB, 0).unwrap_err().is_oom());
+    let dir = std::env::temp_dir().join(format!("gpumem-snap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("stitched.pickle");
+    gpumem_core::report::snapshot::write_snapshot(&a, &file).unwrap();
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/check_snapshot.py");
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(&script).arg(&file);
+    if let Some(r) = shared_trace("prefetch_mlp.pickle.gz") {
+        cmd.arg("--reference").arg(r);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprint!("{text}");
+    assert!(text.contains("ok   shape"), "{text}");
+    assert_eq!(
+        text.contains("ok   keys"),
+        shared_trace("prefetch_mlp.pickle.gz").is_some()
+    );
+    // The frames name this test.
+    let raw = std::fs::read(&file).unwrap();
+    let needle = b"python_reads_the_snapshot_with_torchs_keys_and_types";
+    assert!(
+        raw.windows(needle.len()).any(|w| w == needle),
+        "frames missing"
+    );
+    if std::env::var_os("GPUMEM_KEEP_SNAPSHOT").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -418,6 +418,11 @@ pub fn snapshot_stats(snap: &Snapshot) -> SnapshotStats {
                 }
             }
             Kind::SegmentAlloc | Kind::SegmentFree | Kind::SegmentMap | Kind::SegmentUnmap => {
+                if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
+                    st.num_device_alloc += 1;
+                } else {
+                    st.num_device_free += 1;
+                }
                 let pool = seg_pool.get(&i).copied().unwrap_or(if e.size <= 2 << 20 {
                     Pool::Small
                 } else {
