@@ -78,7 +78,8 @@ fn pytorch_snapshots_summarise_and_replay_backwards() {
 
 /// Replays `name` under `policy` and returns (snapshot bytes, stats of the allocator).
 fn replay_snapshot(t: &trace::Trace, policy: PolicyKind) -> (Vec<u8>, gpumem_core::MemoryStats) {
-    let out: Arc<Mutex<Option<(Vec<u8>, gpumem_core::MemoryStats)>>> = Default::default();
+    type Taken = Option<(Vec<u8>, gpumem_core::MemoryStats)>;
+    let out: Arc<Mutex<Taken>> = Default::default();
     let sink = out.clone();
     let mut opts = ReplayOptions {
         config: Config::parse(&format!("history:{}", 4 * t.events.len() + 1000)).unwrap(),
