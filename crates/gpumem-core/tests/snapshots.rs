@@ -25,7 +25,9 @@ const TRACES: [&str; 5] = [
 #[test]
 fn pytorch_snapshots_summarise_and_replay_backwards() {
     let mut seen = 0;
-    for name in TRACES.iter().take(3) {
+    // llama_decode (1.66 M entries) is left to `gpumem summary --check` in release builds:
+    // it takes 20 s in a debug build.
+    for name in TRACES.iter().take(4) {
         let Some(path) = shared_trace(name) else {
             eprintln!("skipped {name}: not found (set GPUMEM_TRACES)");
             continue;
