@@ -121,9 +121,13 @@ pub fn write_snapshot(alloc: &Allocator, path: &std::path::Path) -> Result<(), S
     let err = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
     let file = std::fs::File::create(path).map_err(err)?;
     if path.extension().is_some_and(|e| e == "gz") {
-        let mut w = crate::trace::gzip_writer(file);
+        let mut w = flate2::write::GzEncoder::new(
+            std::io::BufWriter::new(file),
+            flate2::Compression::default(),
+        );
         w.write_all(&bytes).map_err(err)?;
-        w.flush().map_err(err)?;
+        // finish() writes the gzip trailer and reports errors that a drop would hide.
+        w.finish().map_err(err)?.flush().map_err(err)?;
     } else {
         let mut w = std::io::BufWriter::new(file);
         w.write_all(&bytes).map_err(err)?;
