@@ -52,7 +52,7 @@ impl Action {
 pub struct Record {
     /// What happened.
     pub action: Action,
-    /// Block address (0 for an OOM).
+    /// Block address (for an OOM: the device's free bytes, as PyTorch records it).
     pub addr: DevPtr,
     /// Requested bytes (segment bytes for segment actions).
     pub size: u64,
