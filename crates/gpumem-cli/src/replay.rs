@@ -39,6 +39,11 @@ pub struct ReplayArgs {
     /// Write a self-contained HTML timeline of bytes held vs live for each policy.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Write the allocator's segments and its whole allocation history at the end of the
+    /// replay as a PyTorch memory snapshot (a pickle for torch.cuda._memory_viz and PyTorch's
+    /// memory visualizer; gzipped if the name ends in .gz). Needs exactly one --policy.
+    #[arg(long)]
+    snapshot: Option<PathBuf>,
 }
 
 /// Where a replay runs.
@@ -116,6 +121,11 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
     if let Some(m) = a.device_memory {
         opts.device_total = m;
     }
+    let snapshot_result = a
+        .snapshot
+        .as_ref()
+        .map(|path| snapshot_at_end(&mut opts, path, &policies, trace.events.len()))
+        .transpose()?;
     let total = (trace.events.len() * policies.len()) as u64;
     let done = AtomicU64::new(0);
     let results = std::thread::scope(|s| {
@@ -149,6 +159,13 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         match r {
             Ok(r) => ok.push(r),
             Err(e) => return Err(format!("replay under {} failed: {e}", p.name())),
+        }
+    }
+    if let (Some(path), Some(result)) = (&a.snapshot, snapshot_result) {
+        let r = result.lock().map_err(|e| e.to_string())?.take();
+        r.unwrap_or_else(|| Err("the replay ended before the snapshot was taken".into()))?;
+        if !a.json {
+            eprintln!("snapshot written to {}", path.display());
         }
     }
     if let Some(path) = &a.plot {
@@ -191,6 +208,34 @@ pub fn convert(a: ConvertArgs) -> Result<(), String> {
         a.output.display()
     );
     Ok(())
+}
+
+/// Asks the replay to keep the whole history and to write a snapshot at its end; returns
+/// where the outcome will be.
+type SnapshotResult = Arc<std::sync::Mutex<Option<Result<(), String>>>>;
+
+fn snapshot_at_end(
+    opts: &mut ReplayOptions,
+    path: &std::path::Path,
+    policies: &[PolicyKind],
+    events: usize,
+) -> Result<SnapshotResult, String> {
+    if policies.len() != 1 {
+        return Err(
+            "--snapshot needs exactly one --policy (a snapshot is of one allocator)".into(),
+        );
+    }
+    // Every trace event gives at most one history entry, plus the segment entries.
+    opts.config.history = opts.config.history.max(2 * events + 4096);
+    let result: SnapshotResult = Default::default();
+    let (sink, path) = (result.clone(), path.to_path_buf());
+    opts.at_end = Some(Arc::new(move |alloc: &gpumem_core::Allocator| {
+        let r = gpumem_core::report::snapshot::write_snapshot(alloc, &path);
+        if let Ok(mut s) = sink.lock() {
+            *s = Some(r);
+        }
+    }));
+    Ok(result)
 }
 
 fn flate2_writer(f: std::fs::File) -> impl std::io::Write {

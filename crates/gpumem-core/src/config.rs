@@ -177,11 +177,28 @@ impl Config {
     }
 
     /// The configuration in `GPUMEM_CONF`, or the default when it is unset.
+    /// `GPUMEM_LEAK_CHECK=1` turns on leak tracking with backtraces on top of it (the
+    /// embedding program prints the report at exit, see `report::leaks::print_at_exit`).
     pub fn from_env() -> Result<Config, AllocError> {
-        match std::env::var("GPUMEM_CONF") {
-            Ok(s) => Config::parse(&s),
-            Err(_) => Ok(Config::default()),
+        Self::from_vars(
+            std::env::var("GPUMEM_CONF").ok().as_deref(),
+            std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
+        )
+    }
+
+    /// [`Config::from_env`] with the two variables given (`None`: unset).
+    pub fn from_vars(conf: Option<&str>, leak_check: Option<&str>) -> Result<Config, AllocError> {
+        let mut c = match conf {
+            Some(s) => Config::parse(s)?,
+            None => Config::default(),
+        };
+        if let Some(v) = leak_check.map(str::trim).filter(|v| !v.is_empty()) {
+            if flag("GPUMEM_LEAK_CHECK", v)? {
+                c.leak_check = true;
+                c.backtraces = true;
+            }
         }
+        Ok(c)
     }
 }
 
@@ -206,6 +223,20 @@ mod tests {
         let f = Config::parse("fraction:0.5").unwrap();
         assert_eq!(f.cap, Some(Amount::Fraction(0.5)));
         assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn leak_check_variable_turns_on_tracking_with_backtraces() {
+        let c = Config::from_vars(Some("policy:caching"), Some("1")).unwrap();
+        assert_eq!(c.policy, PolicyKind::Caching);
+        assert!(c.leak_check && c.backtraces);
+        let off = Config::from_vars(None, Some("0")).unwrap();
+        assert!(!off.leak_check && !off.backtraces);
+        assert!(!Config::from_vars(None, None).unwrap().leak_check);
+        let e = Config::from_vars(None, Some("maybe"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("GPUMEM_LEAK_CHECK"), "{e}");
     }
 
     #[test]

@@ -23,6 +23,88 @@ pub struct HeldStats {
     pub num_device_free: i64,
 }
 
+/// What happened to the memory the policies hold, as PyTorch's snapshots name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentAction {
+    /// A plain segment was handed to a policy (from the driver or the preallocated reserve).
+    Alloc,
+    /// A plain segment was returned.
+    Free,
+    /// Physical memory was mapped at a virtual range.
+    Map,
+    /// A virtual range was unmapped.
+    Unmap,
+}
+
+/// One change to the segments or mappings, recorded for allocation histories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentEvent {
+    /// What happened.
+    pub action: SegmentAction,
+    /// Segment address, or virtual address of the (un)mapped range.
+    pub addr: DevPtr,
+    /// Bytes.
+    pub bytes: u64,
+    /// Microseconds since the Unix epoch.
+    pub time_us: u64,
+}
+
+/// Segment events not yet collected by the tracker, and the virtual ranges mapped now
+/// (coalesced), kept while an allocation history is recorded.
+#[derive(Default)]
+struct SegmentTrace {
+    pending: Vec<SegmentEvent>,
+    mapped: BTreeMap<DevPtr, u64>,
+}
+
+impl SegmentTrace {
+    fn push(&mut self, action: SegmentAction, addr: DevPtr, bytes: u64) {
+        self.pending.push(SegmentEvent {
+            action,
+            addr,
+            bytes,
+            time_us: crate::engine::track::now_us(),
+        });
+        match action {
+            SegmentAction::Map => {
+                let (mut start, mut end) = (addr, addr + bytes);
+                if let Some((&p, &len)) = self.mapped.range(..=start).next_back() {
+                    if p + len >= start {
+                        self.mapped.remove(&p);
+                        start = p;
+                        end = end.max(p + len);
+                    }
+                }
+                while let Some((&p, &len)) = self.mapped.range(start..=end).next() {
+                    self.mapped.remove(&p);
+                    end = end.max(p + len);
+                }
+                self.mapped.insert(start, end - start);
+            }
+            SegmentAction::Unmap => {
+                let end = addr + bytes;
+                let hit: Vec<(DevPtr, u64)> = self
+                    .mapped
+                    .range(..end)
+                    .rev()
+                    .take_while(|&(&p, &len)| p + len > addr)
+                    .map(|(&p, &len)| (p, len))
+                    .collect();
+                for (p, len) in hit {
+                    self.mapped.remove(&p);
+                    if p < addr {
+                        self.mapped.insert(p, addr - p);
+                    }
+                    if p + len > end {
+                        self.mapped.insert(end, p + len - end);
+                    }
+                }
+            }
+            SegmentAction::Alloc | SegmentAction::Free => {}
+        }
+    }
+}
+
 /// Memory taken from the device at start and handed out before the driver is asked again.
 #[derive(Default)]
 struct Reserve {
@@ -47,6 +129,7 @@ pub struct DeviceState {
     stats: HeldStats,
     reserve: Reserve,
     segment_log: Option<Vec<u64>>,
+    segment_trace: Option<SegmentTrace>,
 }
 
 /// A device shared by the allocator's stream shards.
@@ -71,6 +154,7 @@ impl Device {
                 stats: HeldStats::default(),
                 reserve: Reserve::default(),
                 segment_log: None,
+                segment_trace: None,
             }),
             info,
         }
@@ -146,6 +230,33 @@ impl DeviceState {
     /// Sizes of the segments allocated since logging started.
     pub fn segment_log(&self) -> &[u64] {
         self.segment_log.as_deref().unwrap_or(&[])
+    }
+
+    /// Starts (or stops) recording segment events and mapped ranges, for allocation histories.
+    pub fn trace_segments(&mut self, on: bool) {
+        self.segment_trace = on.then(SegmentTrace::default);
+    }
+
+    /// The segment events since the last call (empty unless [`Self::trace_segments`] is on).
+    pub fn take_segment_events(&mut self) -> Vec<SegmentEvent> {
+        self.segment_trace
+            .as_mut()
+            .map(|t| std::mem::take(&mut t.pending))
+            .unwrap_or_default()
+    }
+
+    /// Virtual ranges mapped now, coalesced, by address (empty unless segments are traced).
+    pub fn mapped_ranges(&self) -> Vec<(DevPtr, u64)> {
+        self.segment_trace
+            .as_ref()
+            .map(|t| t.mapped.iter().map(|(&a, &l)| (a, l)).collect())
+            .unwrap_or_default()
+    }
+
+    fn trace(&mut self, action: SegmentAction, addr: DevPtr, bytes: u64) {
+        if let Some(t) = self.segment_trace.as_mut() {
+            t.push(action, addr, bytes);
+        }
     }
 
     fn count(&mut self, kind: DriverCall, bytes: u64) {
@@ -230,6 +341,7 @@ impl DeviceState {
             if let Some(log) = self.segment_log.as_mut() {
                 log.push(bytes);
             }
+            self.trace(SegmentAction::Alloc, p, bytes);
             return Ok(p);
         }
         self.check_cap(DriverCall::MemAlloc, bytes)?;
@@ -239,6 +351,7 @@ impl DeviceState {
         if let Some(log) = self.segment_log.as_mut() {
             log.push(bytes);
         }
+        self.trace(SegmentAction::Alloc, ptr, bytes);
         Ok(ptr)
     }
 
@@ -253,12 +366,14 @@ impl DeviceState {
             if ptr >= base && ptr + bytes <= base + len {
                 self.return_range(ptr, bytes);
                 self.stats.segment.dec(pool, 1);
+                self.trace(SegmentAction::Free, ptr, bytes);
                 return Ok(());
             }
         }
         self.count(DriverCall::MemFree, bytes);
         self.backend.mem_free(ptr, bytes)?;
         self.lose(bytes, pool);
+        self.trace(SegmentAction::Free, ptr, bytes);
         Ok(())
     }
 
@@ -341,13 +456,17 @@ impl DeviceState {
     /// Maps a physical allocation of `bytes` at `va`.
     pub fn map(&mut self, va: DevPtr, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
         self.count(DriverCall::MemMap, bytes);
-        self.backend.mem_map(va, bytes, h)
+        self.backend.mem_map(va, bytes, h)?;
+        self.trace(SegmentAction::Map, va, bytes);
+        Ok(())
     }
 
     /// Unmaps `[va, va + bytes)`.
     pub fn unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
         self.count(DriverCall::MemUnmap, bytes);
-        self.backend.mem_unmap(va, bytes)
+        self.backend.mem_unmap(va, bytes)?;
+        self.trace(SegmentAction::Unmap, va, bytes);
+        Ok(())
     }
 
     /// Grants access to a mapped range.
@@ -463,5 +582,40 @@ mod tests {
         s.free_segment(b, 20 * MIB, Pool::Large).unwrap();
         assert_eq!(s.reserve_unused(), 64 * MIB, "ranges coalesce back");
         assert_eq!(s.held(), 64 * MIB);
+    }
+
+    #[test]
+    fn segment_trace_keeps_events_and_coalesced_mappings() {
+        let d = dev();
+        let mut s = d.lock();
+        s.trace_segments(true);
+        let seg = s.alloc_segment(4 * MIB, Pool::Large).unwrap();
+        let va = s.address_reserve(64 * MIB).unwrap();
+        let pages: Vec<_> = (0..3)
+            .map(|_| s.create_page(Pool::Large).unwrap())
+            .collect();
+        for (i, &h) in pages.iter().enumerate() {
+            s.map(va + i as u64 * 2 * MIB, 2 * MIB, h).unwrap();
+        }
+        assert_eq!(
+            s.mapped_ranges(),
+            vec![(va, 6 * MIB)],
+            "adjacent maps coalesce"
+        );
+        s.unmap(va + 2 * MIB, 2 * MIB).unwrap();
+        assert_eq!(
+            s.mapped_ranges(),
+            vec![(va, 2 * MIB), (va + 4 * MIB, 2 * MIB)],
+            "an unmap in the middle splits the range"
+        );
+        s.free_segment(seg, 4 * MIB, Pool::Large).unwrap();
+        let ev = s.take_segment_events();
+        let kinds: Vec<_> = ev.iter().map(|e| (e.action, e.addr, e.bytes)).collect();
+        assert_eq!(kinds[0], (SegmentAction::Alloc, seg, 4 * MIB));
+        assert_eq!(kinds[1], (SegmentAction::Map, va, 2 * MIB));
+        assert_eq!(kinds[4], (SegmentAction::Unmap, va + 2 * MIB, 2 * MIB));
+        assert_eq!(kinds[5], (SegmentAction::Free, seg, 4 * MIB));
+        assert_eq!(ev.len(), 6);
+        assert!(s.take_segment_events().is_empty(), "taken once");
     }
 }

@@ -75,13 +75,37 @@ impl OomReport {
         }
     }
 
+    /// Bytes the allocator could still take from the device: its free memory, within the cap.
+    pub fn obtainable(&self) -> u64 {
+        match self.cap {
+            Some(cap) => self.device_free.min(cap.saturating_sub(self.held)),
+            None => self.device_free,
+        }
+    }
+
     /// The change that the numbers point to.
     pub fn suggestion(&self) -> String {
-        if self.cached >= self.requested && self.largest_free_block < self.requested {
+        // Enough memory in pieces (cached blocks, plus what the device still has), but no
+        // piece large enough: fragmentation, which stitching removes by mapping free pages
+        // under the new block wherever they are.
+        let pieces = self.cached.saturating_add(self.obtainable());
+        if self.policy != "stitched"
+            && pieces >= self.requested
+            && self.largest_free_block < self.requested
+        {
             return format!(
-                "{} are cached but the largest free block is {}: the memory is fragmented. \
-                 Try GPUMEM_CONF=policy:stitched, which maps free pages wherever they are needed.",
+                "{} are cached{} but the largest free block is {}: the memory is fragmented. \
+                 Try GPUMEM_CONF=policy:stitched, which maps free pages wherever they are \
+                 needed.",
                 format_size(self.cached),
+                if self.obtainable() > 0 {
+                    format!(
+                        " and {} more is free on the device",
+                        format_size(self.obtainable())
+                    )
+                } else {
+                    String::new()
+                },
                 format_size(self.largest_free_block)
             );
         }
@@ -96,9 +120,13 @@ impl OomReport {
             }
         }
         if self.device_free < self.requested && self.held < self.device_total / 2 {
-            return "most of the device is held by someone else (another process or allocator): \
-                    check `gpumem monitor` or nvidia-smi."
-                .to_string();
+            return format!(
+                "gpumem holds only {} of the device's {} and the rest is not free: most of the \
+                 device is held by someone else (another process or allocator): check \
+                 `gpumem monitor` or nvidia-smi.",
+                format_size(self.held),
+                format_size(self.device_total)
+            );
         }
         "live tensors fill the memory: free references you no longer need, reduce the batch \
          size, or use activation checkpointing."
@@ -112,7 +140,7 @@ impl fmt::Display for OomReport {
             f,
             "out of memory: tried to allocate {} on stream {:#x} (policy {}). The device has {} \
              in total, of which {} is free{}. gpumem holds {}: {} allocated to live tensors and \
-             {} cached ({:.1}% of held); the largest free block is {}. {} retr{} after releasing \
+             {} cached (reserved but unallocated: {:.1}% of held); the largest free block is {}. {} retr{} after releasing \
              the cache. Suggestion: {}",
             format_size(self.requested),
             self.stream,

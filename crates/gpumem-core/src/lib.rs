@@ -22,6 +22,7 @@ pub mod engine;
 pub mod error;
 pub mod policy;
 pub mod stats;
+pub mod testing;
 pub mod units;
 
 pub use config::Config;

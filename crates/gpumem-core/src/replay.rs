@@ -101,7 +101,13 @@ pub struct ReplayOptions {
     pub check_every: usize,
     /// Record about this many (time, held, live) samples for a timeline plot; 0: none.
     pub timeline_points: usize,
+    /// Called with the allocator once the whole trace has been replayed (to write a
+    /// snapshot of its final state and history, for instance).
+    pub at_end: Option<AtEnd>,
 }
+
+/// A function given the allocator at the end of a replay.
+pub type AtEnd = std::sync::Arc<dyn Fn(&Allocator) + Send + Sync>;
 
 impl Default for ReplayOptions {
     fn default() -> Self {
@@ -110,6 +116,7 @@ impl Default for ReplayOptions {
             device_total: H200_TOTAL_BYTES,
             check_every: 0,
             timeline_points: 0,
+            at_end: None,
         }
     }
 }
@@ -326,6 +333,9 @@ pub fn replay_on(
         calls_by_quarter[q] = d.total();
         est_by_quarter[q] = d.est_seconds();
         prev = c.clone();
+    }
+    if let Some(f) = &opts.at_end {
+        f(&alloc);
     }
     let peak_live_bytes = peak_live(trace);
     let peak_held_bytes = alloc.peak_held_bytes();

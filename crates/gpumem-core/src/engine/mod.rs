@@ -8,7 +8,7 @@ pub mod track;
 
 use crate::backend::{Backend, CallCounts, DevPtr, DeviceInfo, EventHandle, Stream};
 use crate::config::Config;
-use crate::device::Device;
+use crate::device::{Device, SegmentAction};
 use crate::error::{AllocError, BackendError, OomReport};
 use crate::policy::{PolicyFactory, PolicyKind, SegmentInfo};
 use crate::stats::MemoryStats;
@@ -97,6 +97,10 @@ impl Allocator {
                 config.backtraces,
             ))
         });
+        if config.history > 0 {
+            // Snapshots need the segment events in the history and the mapped ranges.
+            device.lock().trace_segments(true);
+        }
         Ok(Self {
             device,
             factory,
@@ -178,9 +182,7 @@ impl Allocator {
             };
             match result {
                 Ok(p) => {
-                    if let Some(t) = &self.tracker {
-                        t.lock().record(Action::Alloc, p.addr, size, stream);
-                    }
+                    self.track(Action::Alloc, p.addr, size, stream);
                     return Ok(Allocation {
                         ptr: p.addr,
                         size: p.size,
@@ -195,9 +197,8 @@ impl Allocator {
                 Err(e) if e.out_of_memory => {
                     let report = self.oom_report(size, stream, retries);
                     shard.state.lock().ooms += 1;
-                    if let Some(t) = &self.tracker {
-                        t.lock().record(Action::Oom, 0, size, stream);
-                    }
+                    // As in PyTorch, an OOM entry carries the device's free bytes as its address.
+                    self.track(Action::Oom, report.device_free, size, stream);
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
                 Err(e) => return Err(e.into()),
@@ -265,10 +266,9 @@ impl Allocator {
             };
             if done {
                 let p = st.pending.swap_remove(i);
+                // Recorded before the release, which may return the block's segment.
+                self.track(Action::FreeCompleted, p.addr, 0, stream);
                 st.policy.release(p.addr, dev)?;
-                if let Some(t) = &self.tracker {
-                    t.lock().record(Action::FreeCompleted, p.addr, 0, stream);
-                }
             } else {
                 i += 1;
             }
@@ -331,6 +331,13 @@ impl Allocator {
         } else {
             st.uses.remove(&ptr)
         };
+        if self.tracker.is_some() && st.policy.is_allocated(ptr) {
+            // Recorded before the release, which may return the block's segment.
+            self.track(Action::FreeRequested, ptr, 0, shard.stream);
+            if uses.is_none() {
+                self.track(Action::FreeCompleted, ptr, 0, shard.stream);
+            }
+        }
         let known = match uses {
             // Used on no other stream: reusable at once.
             None => st.policy.free(ptr, &self.device)?.is_some(),
@@ -343,13 +350,6 @@ impl Allocator {
             } else {
                 AllocError::UnknownPointer { ptr }
             });
-        }
-        if let Some(t) = &self.tracker {
-            let mut t = t.lock();
-            t.record(Action::FreeRequested, ptr, 0, shard.stream);
-            if uses.is_none() {
-                t.record(Action::FreeCompleted, ptr, 0, shard.stream);
-            }
         }
         match uses {
             None => {}
@@ -505,9 +505,36 @@ impl Allocator {
         self.shards.iter().map(|(_, s)| s.stream).collect()
     }
 
-    /// Runs `f` on the tracker, if history or leak tracking is on.
+    /// Records an event in the tracker, if any, after the segment events that preceded it.
+    /// Lock order: tracker, then device (the device never takes the tracker's lock).
+    fn track(&self, action: Action, addr: DevPtr, size: u64, stream: Stream) {
+        if let Some(t) = &self.tracker {
+            let mut t = t.lock();
+            self.collect_segment_events(&mut t);
+            t.record(action, addr, size, stream);
+        }
+    }
+
+    fn collect_segment_events(&self, t: &mut Tracker) {
+        for e in self.device.lock().take_segment_events() {
+            let action = match e.action {
+                SegmentAction::Alloc => Action::SegmentAlloc,
+                SegmentAction::Free => Action::SegmentFree,
+                SegmentAction::Map => Action::SegmentMap,
+                SegmentAction::Unmap => Action::SegmentUnmap,
+            };
+            t.record_at(action, e.addr, e.bytes, 0, e.time_us);
+        }
+    }
+
+    /// Runs `f` on the tracker, if history or leak tracking is on. `f` must not call back
+    /// into the allocator (the tracker stays locked while it runs).
     pub fn with_tracker<R>(&self, f: impl FnOnce(&Tracker) -> R) -> Option<R> {
-        self.tracker.as_ref().map(|t| f(&t.lock()))
+        self.tracker.as_ref().map(|t| {
+            let mut t = t.lock();
+            self.collect_segment_events(&mut t);
+            f(&t)
+        })
     }
 
     /// Checks every policy's invariants (tests and fuzzing).

@@ -18,8 +18,17 @@ pub enum Action {
     FreeRequested,
     /// The block became reusable.
     FreeCompleted,
-    /// A request failed for lack of memory.
+    /// A request failed for lack of memory (`addr` holds the device's free bytes then, as in
+    /// PyTorch).
     Oom,
+    /// The policy took a plain segment from the device.
+    SegmentAlloc,
+    /// It returned one.
+    SegmentFree,
+    /// It mapped physical memory at a virtual range.
+    SegmentMap,
+    /// It unmapped a virtual range.
+    SegmentUnmap,
 }
 
 impl Action {
@@ -30,6 +39,10 @@ impl Action {
             Action::FreeRequested => "free_requested",
             Action::FreeCompleted => "free_completed",
             Action::Oom => "oom",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
         }
     }
 }
@@ -39,11 +52,11 @@ impl Action {
 pub struct Record {
     /// What happened.
     pub action: Action,
-    /// Block address (0 for an OOM).
+    /// Block address (for an OOM: the device's free bytes, as PyTorch records it).
     pub addr: DevPtr,
-    /// Requested bytes.
+    /// Requested bytes (segment bytes for segment actions).
     pub size: u64,
-    /// Stream.
+    /// Stream (0 for segment actions: the device does not know it).
     pub stream: Stream,
     /// Microseconds since the Unix epoch.
     pub time_us: u64,
@@ -69,6 +82,8 @@ pub struct Tracker {
     capacity: usize,
     history: VecDeque<Record>,
     live: Option<FxHashMap<DevPtr, LiveRecord>>,
+    /// Requested bytes of blocks not yet reusable, so that free entries carry their size.
+    sizes: FxHashMap<DevPtr, u64>,
     backtraces: bool,
 }
 
@@ -88,13 +103,42 @@ impl Tracker {
             capacity,
             history: VecDeque::with_capacity(capacity.min(1 << 16)),
             live: leaks.then(FxHashMap::default),
+            sizes: FxHashMap::default(),
             backtraces,
         }
     }
 
-    /// Records an event.
+    /// Records an event. A free with `size` 0 gets the requested size of its allocation.
     pub fn record(&mut self, action: Action, addr: DevPtr, size: u64, stream: Stream) {
-        let time_us = now_us();
+        self.record_at(action, addr, size, stream, now_us());
+    }
+
+    /// Records an event that happened at `time_us`.
+    pub fn record_at(
+        &mut self,
+        action: Action,
+        addr: DevPtr,
+        mut size: u64,
+        stream: Stream,
+        time_us: u64,
+    ) {
+        if self.capacity > 0 {
+            match action {
+                Action::Alloc => {
+                    self.sizes.insert(addr, size);
+                }
+                Action::FreeRequested if size == 0 => {
+                    size = self.sizes.get(&addr).copied().unwrap_or(0);
+                }
+                Action::FreeCompleted => {
+                    let known = self.sizes.remove(&addr).unwrap_or(0);
+                    if size == 0 {
+                        size = known;
+                    }
+                }
+                _ => {}
+            }
+        }
         let bt = if self.backtraces && action == Action::Alloc {
             Some(Arc::new(Backtrace::force_capture()))
         } else {

@@ -5,10 +5,14 @@
 //! to their list and then dropped, so memory stays small however long the history. Strings are
 //! kept once in a table and referred to by index; containers referenced a second time through
 //! the memo are not rebuilt (no trace entry is shared, so nothing the replay needs is lost).
+//! The `segments` list (the allocator's state when the snapshot was taken) is small and is
+//! read whole, by [`read_snapshot_full`] and [`load_snapshot`].
 
 use super::input::Input;
 use super::{Event, Kind, Trace, TraceMeta};
 use crate::error::TraceError;
+use crate::stats::Pool;
+use serde::Serialize;
 
 #[derive(Debug, Clone)]
 enum V {
@@ -549,6 +553,127 @@ impl<'a> Vm<'a> {
 
 /// Reads a snapshot pickle and returns the events of device `device`.
 pub fn read_snapshot(inp: &mut Input, device: u32) -> Result<Trace, TraceError> {
+    read_snapshot_full(inp, device).map(|s| s.trace)
+}
+
+/// What a block of a snapshot segment is doing, with PyTorch's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum BlockState {
+    /// `active_allocated`: in use by a tensor.
+    ActiveAllocated,
+    /// `active_pending_free`: freed, waiting for the work of other streams that used it.
+    ActivePendingFree,
+    /// `inactive`: cached, free for reuse.
+    Inactive,
+}
+
+impl BlockState {
+    /// PyTorch's name.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            BlockState::ActiveAllocated => "active_allocated",
+            BlockState::ActivePendingFree => "active_pending_free",
+            BlockState::Inactive => "inactive",
+        }
+    }
+
+    /// From PyTorch's name (other `active_*` spellings of older versions count as pending).
+    pub fn from_torch(name: &str) -> Option<BlockState> {
+        match name {
+            "active_allocated" => Some(BlockState::ActiveAllocated),
+            "inactive" => Some(BlockState::Inactive),
+            n if n.starts_with("active_") => Some(BlockState::ActivePendingFree),
+            _ => None,
+        }
+    }
+
+    /// Allocated or waiting to be freed (PyTorch's "active").
+    pub fn is_active(self) -> bool {
+        self != BlockState::Inactive
+    }
+}
+
+/// One block of a snapshot segment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SnapshotBlock {
+    /// Address.
+    pub address: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes the user asked for.
+    pub requested_size: u64,
+    /// State.
+    pub state: BlockState,
+}
+
+/// One segment of a snapshot (`torch.cuda.memory._snapshot()["segments"]`): memory held from
+/// the device, and the blocks it is cut into.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SnapshotSegment {
+    /// Device ordinal.
+    pub device: u32,
+    /// Address.
+    pub address: u64,
+    /// Bytes.
+    pub total_size: u64,
+    /// Stream.
+    pub stream: u64,
+    /// Pool (`segment_type` "small" or "large").
+    pub pool: Pool,
+    /// Part of an expandable segment (a mapped range of a virtual reservation).
+    pub is_expandable: bool,
+    /// Blocks by address.
+    pub blocks: Vec<SnapshotBlock>,
+}
+
+/// A snapshot: the allocation history of one device and its segments when it was taken.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    /// The history (`device_traces[device]`).
+    pub trace: Trace,
+    /// The segments of that device.
+    pub segments: Vec<SnapshotSegment>,
+}
+
+/// Reads a snapshot file (gzipped or not): the history and the segments of `device`.
+pub fn load_snapshot(
+    path: &std::path::Path,
+    device: u32,
+    progress: Option<super::input::Progress>,
+) -> Result<Snapshot, TraceError> {
+    let name = path.display().to_string();
+    let file = std::fs::File::open(path).map_err(|source| TraceError::Io {
+        path: name.clone(),
+        source,
+    })?;
+    let mut inp = Input::open(Box::new(file), &name, progress)?;
+    if inp.peek(1)?.first() != Some(&0x80) {
+        return Err(TraceError::UnknownFormat(format!(
+            "{name}: not a pickle (a PyTorch memory snapshot from torch.cuda.memory._snapshot() \
+             or gpumem)"
+        )));
+    }
+    let mut s = read_snapshot_full(&mut inp, device)?;
+    s.trace.meta.source = name;
+    super::validate(&s.trace)?;
+    Ok(s)
+}
+
+/// Reads a snapshot from bytes in memory (a pickle, gzipped or not).
+pub fn read_snapshot_bytes(
+    bytes: Vec<u8>,
+    name: &str,
+    device: u32,
+) -> Result<Snapshot, TraceError> {
+    let mut inp = Input::open(Box::new(std::io::Cursor::new(bytes)), name, None)?;
+    let mut s = read_snapshot_full(&mut inp, device)?;
+    s.trace.meta.source = name.to_string();
+    super::validate(&s.trace)?;
+    Ok(s)
+}
+
+/// Reads a snapshot pickle: the events and the segments of device `device`.
+pub fn read_snapshot_full(inp: &mut Input, device: u32) -> Result<Snapshot, TraceError> {
     let name = inp.name().to_string();
     let mut vm = Vm {
         inp,
@@ -611,5 +736,134 @@ pub fn read_snapshot(inp: &mut Input, device: u32) -> Result<Trace, TraceError> 
             })
         }
     };
-    Ok(Trace { events, meta })
+    let segments = match vm.get(items, "segments") {
+        Some(V::List(l)) => l
+            .iter()
+            .enumerate()
+            .map(|(i, v)| vm.segment(v, i))
+            .filter(|s| !matches!(s, Ok(seg) if seg.device != device))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(V::Shared) | None => Vec::new(),
+        Some(_) => return Err(malformed(0, format!("{name}: 'segments' is not a list"))),
+    };
+    Ok(Snapshot {
+        trace: Trace { events, meta },
+        segments,
+    })
+}
+
+impl Vm<'_> {
+    /// The value under string key `key` of a dict's items.
+    fn get<'v>(&self, items: &'v [(V, V)], key: &str) -> Option<&'v V> {
+        items
+            .iter()
+            .find(|(k, _)| matches!(k, V::Str(i) if &*self.strings[*i as usize] == key))
+            .map(|(_, v)| v)
+    }
+
+    fn str_of<'s>(&'s self, v: &V) -> Option<&'s str> {
+        match v {
+            V::Str(i) => Some(&self.strings[*i as usize]),
+            _ => None,
+        }
+    }
+
+    /// An integer field of segment `seg` (blocks: `block`), or a clear error.
+    fn int_field(
+        &self,
+        items: &[(V, V)],
+        key: &str,
+        seg: usize,
+        block: Option<usize>,
+    ) -> Result<Option<i64>, TraceError> {
+        match self.get(items, key) {
+            None | Some(V::None) => Ok(None),
+            Some(V::Int(i)) => Ok(Some(*i)),
+            Some(V::Bool(b)) => Ok(Some(*b as i64)),
+            Some(_) => Err(malformed(
+                0,
+                format!(
+                    "segment {seg}{}: '{key}' is not an integer",
+                    block.map(|b| format!(" block {b}")).unwrap_or_default()
+                ),
+            )),
+        }
+    }
+
+    fn segment(&self, v: &V, i: usize) -> Result<SnapshotSegment, TraceError> {
+        let V::Dict(items) = v else {
+            return Err(malformed(0, format!("segment {i} is not a dict")));
+        };
+        let need = |key: &str| -> Result<u64, TraceError> {
+            self.int_field(items, key, i, None)?
+                .map(|v| v.max(0) as u64)
+                .ok_or_else(|| malformed(0, format!("segment {i} has no '{key}'")))
+        };
+        let address = need("address")?;
+        let total_size = need("total_size")?;
+        let device = self
+            .int_field(items, "device", i, None)?
+            .unwrap_or(0)
+            .max(0) as u32;
+        let stream = self.int_field(items, "stream", i, None)?.unwrap_or(0) as u64;
+        let pool = match self.get(items, "segment_type").and_then(|v| self.str_of(v)) {
+            Some("small") => Pool::Small,
+            Some("large") | None => Pool::Large,
+            Some(other) => {
+                return Err(malformed(
+                    0,
+                    format!("segment {i}: segment_type '{other}' is neither small nor large"),
+                ))
+            }
+        };
+        let is_expandable = matches!(self.get(items, "is_expandable"), Some(V::Bool(true)));
+        let mut blocks = Vec::new();
+        if let Some(V::List(l)) = self.get(items, "blocks") {
+            let mut next = address;
+            for (j, b) in l.iter().enumerate() {
+                let V::Dict(bi) = b else {
+                    return Err(malformed(0, format!("segment {i} block {j} is not a dict")));
+                };
+                let size = self
+                    .int_field(bi, "size", i, Some(j))?
+                    .ok_or_else(|| malformed(0, format!("segment {i} block {j} has no size")))?
+                    .max(0) as u64;
+                let state_name = self.get(bi, "state").and_then(|v| self.str_of(v));
+                let state = state_name.and_then(BlockState::from_torch).ok_or_else(|| {
+                    malformed(
+                        0,
+                        format!(
+                            "segment {i} block {j}: unknown state {:?}",
+                            state_name.unwrap_or("(none)")
+                        ),
+                    )
+                })?;
+                // Older snapshots have no block addresses: blocks tile their segment.
+                let addr = self
+                    .int_field(bi, "address", i, Some(j))?
+                    .map(|a| a as u64)
+                    .unwrap_or(next);
+                let requested = self
+                    .int_field(bi, "requested_size", i, Some(j))?
+                    .map(|r| r.max(0) as u64)
+                    .unwrap_or(size);
+                next = addr + size;
+                blocks.push(SnapshotBlock {
+                    address: addr,
+                    size,
+                    requested_size: requested,
+                    state,
+                });
+            }
+        }
+        Ok(SnapshotSegment {
+            device,
+            address,
+            total_size,
+            stream,
+            pool,
+            is_expandable,
+            blocks,
+        })
+    }
 }

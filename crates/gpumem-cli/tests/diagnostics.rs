@@ -1,0 +1,220 @@
+//! The diagnostics subcommands, run as a user runs them: `gpumem summary`, `gpumem replay
+//! --snapshot/--plot`, `gpumem monitor` (on the scripted fake GPU, and without a GPU).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn gpumem() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gpumem"))
+}
+
+fn trace(name: &str) -> Option<std::path::PathBuf> {
+    gpumem_core::testing::shared_trace(name)
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("gpumem-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+#[test]
+fn summary_of_a_pytorch_snapshot() {
+    let Some(t) = trace("resnet50_train.pickle.gz") else {
+        eprintln!("skipped: traces not found");
+        return;
+    };
+    let out = gpumem()
+        .args(["summary", "--json", "--check"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["replayable"], true);
+    assert_eq!(j["history_complete"], true);
+    assert_eq!(j["segments"], 132);
+    assert_eq!(j["flat"]["segment.all.current"], 132);
+    assert!(j["flat"]["reserved_bytes.all.peak"].as_i64().unwrap() > 6_000_000_000);
+    let table = gpumem().arg("summary").arg(&t).output().unwrap();
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(text.contains("| GPU reserved memory   |"), "{text}");
+    assert!(text.contains("from small pool"), "{text}");
+}
+
+#[test]
+fn summary_errors_are_clear() {
+    let bad = tmp("not-a-snapshot.pickle");
+    std::fs::write(&bad, b"hello").unwrap();
+    let out = gpumem().arg("summary").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("not a pickle"), "{e}");
+    let out = gpumem()
+        .args(["summary", "/no/such/file"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+}
+
+#[test]
+fn replay_writes_a_snapshot_and_a_plot() {
+    let Some(t) = trace("prefetch_mlp.pickle.gz") else {
+        eprintln!("skipped: traces not found");
+        return;
+    };
+    let snap = tmp("expandable.pickle.gz");
+    let plot = tmp("plot.html");
+    let out = gpumem()
+        .args(["replay", "-p", "expandable", "--snapshot"])
+        .arg(&snap)
+        .arg("--plot")
+        .arg(&plot)
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = gpumem()
+        .args(["summary", "--json", "--check"])
+        .arg(&snap)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["replayable"], true);
+    // Every allocation of the trace is in the history.
+    assert_eq!(j["flat"]["allocation.all.allocated"], 4084);
+    let html = std::fs::read_to_string(&plot).unwrap();
+    assert!(html.contains(r#"data-policy="expandable""#));
+    // Several policies cannot share one snapshot.
+    let out = gpumem()
+        .args(["replay", "--snapshot"])
+        .arg(&snap)
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exactly one --policy"));
+}
+
+#[test]
+fn monitor_json_names_the_leaking_process() {
+    let out = gpumem()
+        .args(["monitor", "--fake", "leak", "--json", "--count", "20"])
+        .args(["--interval", "50ms", "--window", "0.5s"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 21);
+    let end = &lines[20];
+    assert_eq!(end["type"], "end");
+    let raised = end["alarms_raised"].as_array().unwrap();
+    assert_eq!(raised.len(), 1, "{raised:?}");
+    assert_eq!(raised[0]["pid"], 4242);
+    assert_eq!(raised[0]["name"], "leaky");
+}
+
+#[test]
+fn monitor_without_a_gpu_says_so() {
+    let out = gpumem()
+        .args(["monitor", "--count", "1", "--json"])
+        .output()
+        .unwrap();
+    if out.status.success() {
+        // A GPU machine: one sample and the end record.
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(text.lines().count(), 2, "{text}");
+    } else {
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            e.contains("needs an NVIDIA GPU") && e.contains("NVML"),
+            "{e}"
+        );
+        assert!(!e.contains("panicked"), "{e}");
+    }
+}
+
+fn interrupt(child: &std::process::Child) {
+    let ok = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+fn wait(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            panic!("did not stop within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn monitor_stops_cleanly_on_ctrl_c_and_serves_metrics() {
+    let mut child = gpumem()
+        .args(["monitor", "--fake", "leak", "--quiet", "--interval", "50ms"])
+        .args(["--window", "0.5s", "--prometheus", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    let url = first
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.strip_suffix("/metrics\n"))
+        .unwrap_or_else(|| panic!("no address in {first:?}"))
+        .to_string();
+    // Let it take a few samples, then scrape over a real connection.
+    std::thread::sleep(Duration::from_millis(900));
+    let mut s = std::net::TcpStream::connect(&url).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert!(
+        body.contains(r#"gpumem_leak_alarm{gpu="0",pid="4242",process="leaky"} 1.0"#),
+        "{body}"
+    );
+    interrupt(&child);
+    let status = wait(&mut child, Duration::from_secs(5));
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    assert!(status.success(), "exit {status:?}: {rest}");
+    assert!(rest.contains("(interrupted)"), "{rest}");
+    assert!(rest.contains("pid 4242 (leaky)"), "{rest}");
+}
