@@ -61,7 +61,12 @@ fn main() {
             let o = ops(n, live, lo, hi, 7);
             let a = Allocator::new(
                 Box::new(SimBackend::new(SimConfig::default()).0),
-                Config::parse(&format!("policy:{}", p.name())).unwrap(),
+                Config::parse(&format!(
+                    "policy:{},{}",
+                    p.name(),
+                    std::env::var("XCONF").unwrap_or_default()
+                ))
+                .unwrap(),
             )
             .unwrap();
             let mut slots = vec![None; live];
@@ -78,7 +83,16 @@ fn main() {
                 }
                 best = best.min(t.elapsed().as_nanos() as f64 / o.len() as f64);
             }
-            println!("{:10} {:18} {:8.1} ns/op", p.name(), name, best);
+            let c = a.driver_calls();
+            println!(
+                "{:10} {:18} {:8.1} ns/op  calls {} est {:.3}s {:?}",
+                p.name(),
+                name,
+                best,
+                c.total(),
+                c.est_seconds(),
+                c.nonzero()
+            );
         }
     }
 }

@@ -24,6 +24,9 @@ pub enum State {
     Pending,
     /// Address space with no physical memory behind it (expandable segments).
     Unmapped,
+    /// Freed and kept whole for a request of the same size (the quick cache), not merged
+    /// with its neighbours until it is evicted.
+    Cached,
 }
 
 /// A block: a range of one segment.
@@ -45,6 +48,9 @@ pub struct Block {
     pub pool: Pool,
     /// Life state.
     pub state: State,
+    /// Neighbours in the quick cache's list of its size class (while Cached).
+    qprev: u32,
+    qnext: u32,
 }
 
 impl Block {
@@ -82,6 +88,23 @@ pub struct BlockSet {
     /// Block statistics (allocation, active, inactive_split, *_bytes, requested_bytes).
     pub stats: MemoryStats,
     track_split: bool,
+    quick: Quick,
+}
+
+/// Blocks recently freed, kept whole so that the next request of the same size takes one
+/// back without splitting, merging or touching the free index (the common case in training
+/// loops, which ask for the same sizes step after step). A few small blocks at most; the
+/// oldest is merged back into the free blocks when more arrive, and all of them whenever
+/// placement would otherwise have to grow.
+struct Quick {
+    /// Size class -> most recently cached block of the class.
+    heads: Vec<u32>,
+    /// Cached blocks, oldest first.
+    order: std::collections::VecDeque<u32>,
+    /// Largest block size cached (0: the cache is off).
+    max: u64,
+    /// Most blocks cached.
+    cap: usize,
 }
 
 #[inline]
@@ -114,7 +137,28 @@ impl BlockSet {
             spare_segments: Vec::new(),
             stats: MemoryStats::default(),
             track_split,
+            quick: Quick {
+                heads: Vec::new(),
+                order: std::collections::VecDeque::new(),
+                max: 0,
+                cap: 0,
+            },
         }
+    }
+
+    /// Turns on the quick cache for at most `cap` blocks of at most `max` bytes each (off by
+    /// default: the PyTorch simulations must merge at once).
+    pub fn with_quick_cache(mut self, cap: usize, max: u64) -> Self {
+        self.quick.max = max;
+        self.quick.cap = cap;
+        self.quick.heads = vec![NIL; super::free_index::CLASSES];
+        self
+    }
+
+    /// Whether the quick cache holds anything.
+    #[inline]
+    pub fn has_cached(&self) -> bool {
+        !self.quick.order.is_empty()
     }
 
     /// A block by id.
@@ -158,7 +202,7 @@ impl BlockSet {
             State::Unmapped => {
                 self.unmapped[h].insert(b.addr, id);
             }
-            State::Allocated | State::Pending => {
+            State::Allocated | State::Pending | State::Cached => {
                 self.live.insert(b.addr, id);
             }
         }
@@ -175,7 +219,7 @@ impl BlockSet {
             State::Unmapped => {
                 self.unmapped[h].remove(&b.addr);
             }
-            State::Allocated | State::Pending => {
+            State::Allocated | State::Pending | State::Cached => {
                 self.live.remove(&b.addr);
             }
         }
@@ -205,6 +249,8 @@ impl BlockSet {
             seg,
             pool,
             state,
+            qprev: NIL,
+            qnext: NIL,
         });
         self.segments[seg as usize] = Segment {
             addr,
@@ -256,7 +302,19 @@ impl BlockSet {
 
     /// Size of the largest free block of either pool.
     pub fn largest_free(&self) -> u64 {
-        self.free.iter().map(|f| f.largest()).max().unwrap_or(0)
+        let cached = self
+            .quick
+            .order
+            .iter()
+            .map(|&id| self.blocks[id as usize].size)
+            .max()
+            .unwrap_or(0);
+        self.free
+            .iter()
+            .map(|f| f.largest())
+            .max()
+            .unwrap_or(0)
+            .max(cached)
     }
 
     /// Bytes in free (mapped) blocks.
@@ -281,9 +339,15 @@ impl BlockSet {
 
     /// Whether `addr` is the start of a free block (a double free points there).
     pub fn is_free_start(&self, addr: u64) -> bool {
-        self.free
-            .iter()
-            .any(|f| f.all().iter().any(|&(_, a, _)| a == addr))
+        let cached = self
+            .live
+            .get(&addr)
+            .is_some_and(|&id| self.blocks[id as usize].state == State::Cached);
+        cached
+            || self
+                .free
+                .iter()
+                .any(|f| f.all().iter().any(|&(_, a, _)| a == addr))
     }
 
     /// Hands out `size` bytes from free block `id` (PyTorch's `alloc_found_block`): with
@@ -306,6 +370,8 @@ impl BlockSet {
                 seg: b.seg,
                 pool: seg_pool,
                 state: State::Free,
+                qprev: NIL,
+                qnext: NIL,
             });
             if b.next != NIL {
                 self.b(b.next).prev = rest;
@@ -377,14 +443,33 @@ impl BlockSet {
     /// neighbours and goes back to the free index. Returns the resulting free block.
     pub fn release(&mut self, id: u32) -> u32 {
         debug_assert_eq!(self.block(id).state, State::Pending);
+        self.stop_being_active(id);
+        self.settle(id)
+    }
+
+    /// Active statistics of a block that is no longer in use.
+    fn stop_being_active(&mut self, id: u32) {
+        let b = self.block(id);
+        let (pool, size, requested) = (b.pool, b.size, b.requested);
+        let st = &mut self.stats;
+        st.active.dec(pool, 1);
+        st.active_bytes.dec(pool, size);
+        st.requested_bytes.dec(pool, requested);
+    }
+
+    /// A pending or cached block becomes a free block: merged with free neighbours, indexed,
+    /// the inactive-split statistics updated. Returns it.
+    fn settle(&mut self, id: u32) -> u32 {
+        let was_cached = self.block(id).state == State::Cached;
         self.unindex(id);
-        let (pool, orig_size, requested) = {
-            let b = self.block(id);
-            (b.pool, b.size, b.requested)
-        };
         let seg_pool = self.segments[self.block(id).seg as usize].pool;
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
+        if was_cached && self.block(id).is_split() {
+            // A cached block counted as an inactive split block of its own.
+            net_blocks -= 1;
+            net_bytes -= self.block(id).size as i64;
+        }
         {
             let b = self.b(id);
             b.state = State::Free;
@@ -403,15 +488,133 @@ impl BlockSet {
             net_blocks += 1;
             net_bytes += self.block(id).size as i64;
         }
-        let st = &mut self.stats;
         if self.track_split {
-            st.inactive_split.change(seg_pool, net_blocks);
-            st.inactive_split_bytes.change(seg_pool, net_bytes);
+            self.stats.inactive_split.change(seg_pool, net_blocks);
+            self.stats.inactive_split_bytes.change(seg_pool, net_bytes);
         }
-        st.active.dec(pool, 1);
-        st.active_bytes.dec(pool, orig_size);
-        st.requested_bytes.dec(pool, requested);
         id
+    }
+
+    /// The user freed allocated block `id` and no other stream used it: it goes whole into
+    /// the quick cache for a request of its size (the oldest cached block is merged back if the
+    /// cache is full), or, without the quick cache, is released at once.
+    ///
+    /// Returns the range (address, size) of a cached block merged back to make room, if any.
+    pub fn free_now(&mut self, id: u32) -> Option<(u64, u64)> {
+        self.free_requested(id);
+        if self.block(id).size > self.quick.max {
+            self.release(id);
+            return None;
+        }
+        self.stop_being_active(id);
+        let (size, split, seg_pool) = {
+            let b = self.block(id);
+            (b.size, b.is_split(), self.segments[b.seg as usize].pool)
+        };
+        if self.track_split && split {
+            self.stats.inactive_split.inc(seg_pool, 1);
+            self.stats.inactive_split_bytes.inc(seg_pool, size);
+        }
+        let c = super::free_index::class_index(size);
+        let head = self.quick.heads[c];
+        {
+            let b = self.b(id);
+            b.state = State::Cached;
+            b.requested = 0;
+            b.qprev = NIL;
+            b.qnext = head;
+        }
+        if head != NIL {
+            self.b(head).qprev = id;
+        }
+        self.quick.heads[c] = id;
+        self.quick.order.push_back(id);
+        if self.quick.order.len() > self.quick.cap {
+            let old = self.quick.order.pop_front().expect("non-empty");
+            let range = (self.block(old).addr, self.block(old).size);
+            self.uncache(old);
+            self.settle(old);
+            return Some(range);
+        }
+        None
+    }
+
+    /// Takes a block out of the quick cache's class list (not out of `order`).
+    fn uncache(&mut self, id: u32) {
+        let (prev, next, size) = {
+            let b = self.block(id);
+            (b.qprev, b.qnext, b.size)
+        };
+        if prev != NIL {
+            self.b(prev).qnext = next;
+        } else {
+            self.quick.heads[super::free_index::class_index(size)] = next;
+        }
+        if next != NIL {
+            self.b(next).qprev = prev;
+        }
+    }
+
+    /// A cached block of exactly `size` bytes in a segment of `heap`'s pool, if there is one.
+    #[inline]
+    pub fn find_cached(&self, size: u64, heap: Pool) -> Option<u32> {
+        if self.quick.order.is_empty() {
+            return None;
+        }
+        let mut id = self.quick.heads[super::free_index::class_index(size)];
+        for _ in 0..4 {
+            if id == NIL {
+                return None;
+            }
+            let b = self.block(id);
+            if b.size == size && self.segments[b.seg as usize].pool == heap {
+                return Some(id);
+            }
+            id = b.qnext;
+        }
+        None
+    }
+
+    /// Hands out cached block `id` (from [`BlockSet::find_cached`]) for `requested` bytes of
+    /// `pool`.
+    pub fn take_cached(&mut self, id: u32, requested: u64, pool: Pool) -> u32 {
+        debug_assert_eq!(self.block(id).state, State::Cached);
+        let size = self.block(id).size;
+        self.uncache(id);
+        if let Some(i) = self.quick.order.iter().rposition(|&x| x == id) {
+            self.quick.order.remove(i);
+        }
+        let (split, seg_pool) = {
+            let b = self.block(id);
+            (b.is_split(), self.segments[b.seg as usize].pool)
+        };
+        if self.track_split && split {
+            self.stats.inactive_split.dec(seg_pool, 1);
+            self.stats.inactive_split_bytes.dec(seg_pool, size);
+        }
+        let b = self.b(id);
+        b.state = State::Allocated;
+        b.requested = requested;
+        b.pool = pool;
+        let st = &mut self.stats;
+        st.allocation.inc(pool, 1);
+        st.allocated_bytes.inc(pool, size);
+        st.active.inc(pool, 1);
+        st.active_bytes.inc(pool, size);
+        st.requested_bytes.inc(pool, requested);
+        id
+    }
+
+    /// Merges every cached block back into the free blocks; returns their ranges (address,
+    /// size) as they were cached.
+    pub fn flush_cache(&mut self) -> Vec<(u64, u64)> {
+        let mut out = Vec::with_capacity(self.quick.order.len());
+        while let Some(id) = self.quick.order.pop_front() {
+            out.push((self.block(id).addr, self.block(id).size));
+            self.uncache(id);
+            self.settle(id);
+        }
+        out
     }
 
     /// Merges neighbour `src` into `dst` when both have the same free-or-unmapped state.
@@ -459,6 +662,8 @@ impl BlockSet {
             seg: b.seg,
             pool: b.pool,
             state: b.state,
+            qprev: NIL,
+            qnext: NIL,
         });
         if b.next != NIL {
             self.b(b.next).prev = tail;
@@ -512,7 +717,7 @@ impl BlockSet {
                         size: b.size,
                         requested: b.requested,
                         kind: match b.state {
-                            State::Free => BlockKind::Free,
+                            State::Free | State::Cached => BlockKind::Free,
                             State::Allocated => BlockKind::Allocated,
                             State::Pending => BlockKind::Pending,
                             State::Unmapped => BlockKind::Unmapped,
@@ -537,6 +742,7 @@ impl BlockSet {
     /// neighbours are left unmerged, indexes agree with states. For tests.
     pub fn check(&self) -> Result<(), String> {
         let mut free_seen = 0;
+        let mut cached_seen = 0;
         for (si, s) in self.segments.iter().enumerate() {
             if !s.live {
                 continue;
@@ -573,6 +779,10 @@ impl BlockSet {
                         self.free[heap(s.pool)].contains(id, b.size, b.addr)
                     }
                     State::Unmapped => self.unmapped[heap(s.pool)].get(&b.addr) == Some(&id),
+                    State::Cached => {
+                        cached_seen += 1;
+                        self.quick.order.contains(&id) && self.live.get(&b.addr) == Some(&id)
+                    }
                     _ => self.live.get(&b.addr) == Some(&id),
                 };
                 if !indexed {
@@ -591,6 +801,12 @@ impl BlockSet {
                     s.addr + s.size
                 ));
             }
+        }
+        if cached_seen != self.quick.order.len() {
+            return Err(format!(
+                "{} blocks in the quick cache, {cached_seen} cached in segments",
+                self.quick.order.len()
+            ));
         }
         let indexed: usize = self.free.iter().map(|f| f.len()).sum();
         if indexed != free_seen {

@@ -287,8 +287,7 @@ impl Policy for Expandable {
             return Ok(None);
         };
         let size = self.set.block(id).size;
-        self.set.free_requested(id);
-        self.set.release(id);
+        self.set.free_now(id);
         Ok(Some(size))
     }
 

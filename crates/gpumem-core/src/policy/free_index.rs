@@ -38,6 +38,16 @@ pub struct Bins {
     len: usize,
 }
 
+/// Number of size classes.
+pub(crate) const CLASSES: usize = FL_COUNT * SL_COUNT;
+
+/// The size class of `size`, as one index below [`CLASSES`].
+#[inline]
+pub(crate) fn class_index(size: u64) -> usize {
+    let (fl, sl) = class(size);
+    fl * SL_COUNT + sl
+}
+
 #[inline]
 fn class(size: u64) -> (usize, usize) {
     let size = size.max(1 << MIN_FL);

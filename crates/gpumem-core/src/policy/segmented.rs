@@ -66,7 +66,7 @@ impl Segmented {
         Self {
             name: "caching",
             stream,
-            set: BlockSet::new(true, false),
+            set: BlockSet::new(true, false).with_quick_cache(32, SMALL_SIZE),
             large_split_over: MIN_BLOCK - 1,
         }
     }
@@ -87,7 +87,20 @@ impl Policy for Segmented {
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
         let rounded = round_size(size);
         let pool = Pool::of(rounded);
-        let id = match self.set.best_fit(pool, rounded) {
+        if let Some(id) = self.set.find_cached(rounded, pool) {
+            let id = self.set.take_cached(id, size, pool);
+            return Ok(Placement {
+                addr: self.set.block(id).addr,
+                size: rounded,
+            });
+        }
+        let mut found = self.set.best_fit(pool, rounded);
+        if found.is_none() && self.set.has_cached() {
+            // Before growing, merge the cached blocks back: together they may fit.
+            self.set.flush_cache();
+            found = self.set.best_fit(pool, rounded);
+        }
+        let id = match found {
             Some(id) => id,
             None => {
                 let bytes = segment_size(rounded);
@@ -122,12 +135,12 @@ impl Policy for Segmented {
             return Ok(None);
         };
         let size = self.set.block(id).size;
-        self.set.free_requested(id);
-        self.set.release(id);
+        self.set.free_now(id);
         Ok(Some(size))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
+        self.set.flush_cache();
         let mut whole = Vec::new();
         for pool in [Pool::Large, Pool::Small] {
             whole.extend(

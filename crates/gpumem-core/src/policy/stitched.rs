@@ -23,7 +23,7 @@
 //! physical page last used by another stream is handed over through an event that the new
 //! stream waits for on the device.
 
-use super::blocks::{BlockSet, State};
+use super::blocks::{BlockSet, State, NIL};
 use super::segmented::round_size;
 use super::{Placement, Policy, PolicyOptions, SegmentInfo};
 use crate::backend::{DevPtr, DeviceInfo, DriverCall, PhysHandle, Stream};
@@ -36,6 +36,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 const NONE: u32 = u32::MAX;
+
+/// Largest block the quick cache keeps (smaller blocks share their pages with neighbours, so
+/// keeping them counted on their pages while cached costs next to no memory).
+const QUICK_MAX: u64 = 1 << 20;
 
 /// A physical page. Its owner (the stream that uses it, or let go of it last) changes only
 /// under the pool's lock.
@@ -621,7 +625,7 @@ impl Stitched {
             pool,
             shard: NONE,
             pages: None,
-            set: BlockSet::new(false, false),
+            set: BlockSet::new(false, false).with_quick_cache(1, QUICK_MAX),
             base: 0,
             touch: Vec::new(),
             fresh: Vec::new(),
@@ -659,6 +663,38 @@ impl Stitched {
             let b = self.set.block(id);
             (b.addr, b.size)
         };
+        self.untouch_pages(addr, size);
+        self.set.release(id);
+    }
+
+    /// A block now covers `[addr, addr + size)`: count it on its pages and claim a physical
+    /// page for each page it is the first to touch. On failure nothing changes.
+    fn touch_pages(&mut self, addr: u64, size: u64, dev: &Device) -> Result<(), BackendError> {
+        self.fresh.clear();
+        for v in self.page_range(addr, size) {
+            let t = &mut self.touch[v as usize];
+            *t += 1;
+            if *t == 1 {
+                self.fresh.push(v);
+            }
+        }
+        if !self.fresh.is_empty() {
+            let sp = self
+                .pages
+                .as_ref()
+                .expect("initialised with the first allocation");
+            if let Err(e) = self.pool.claim(self.shard, sp, &self.fresh, dev) {
+                for v in self.page_range(addr, size) {
+                    self.touch[v as usize] -= 1;
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// No block covers `[addr, addr + size)` any more: pages nothing else touches go idle.
+    fn untouch_pages(&mut self, addr: u64, size: u64) {
         self.fresh.clear();
         for v in self.page_range(addr, size) {
             let t = &mut self.touch[v as usize];
@@ -674,7 +710,6 @@ impl Stitched {
                 .expect("initialised with the first allocation");
             self.pool.release(sp, &self.fresh);
         }
-        self.set.release(id);
     }
 }
 
@@ -688,37 +723,42 @@ impl Policy for Stitched {
             self.init(dev)?;
         }
         let rounded = round_size(size);
-        let Some(id) = self.set.best_fit(Pool::Large, rounded) else {
-            return Err(BackendError::oom(
-                DriverCall::AddressReserve,
-                format!(
-                    "the stream's virtual range of {} bytes has no free run of {rounded} bytes",
-                    self.va_bytes
-                ),
-            ));
+        let cached = self.set.find_cached(rounded, Pool::Large);
+        let id = match cached {
+            Some(id) => id,
+            None => {
+                let mut found = self.set.best_fit(Pool::Large, rounded);
+                let at_frontier = found.is_some_and(|id| self.set.block(id).next == NIL);
+                if at_frontier && self.set.has_cached() {
+                    // Before growing into fresh address space, merge the cached blocks back:
+                    // together they may fit.
+                    for (a, s) in self.set.flush_cache() {
+                        self.untouch_pages(a, s);
+                    }
+                    found = self.set.best_fit(Pool::Large, rounded);
+                }
+                found.ok_or_else(|| {
+                    BackendError::oom(
+                        DriverCall::AddressReserve,
+                        format!(
+                            "the stream's virtual range of {} bytes has no free run of {rounded} bytes",
+                            self.va_bytes
+                        ),
+                    )
+                })?
+            }
         };
         let addr = self.set.block(id).addr;
-        self.fresh.clear();
-        for v in self.page_range(addr, rounded) {
-            let t = &mut self.touch[v as usize];
-            *t += 1;
-            if *t == 1 {
-                self.fresh.push(v);
-            }
+        if cached.is_none() {
+            self.touch_pages(addr, rounded, dev)?;
         }
-        if !self.fresh.is_empty() {
-            let sp = self.pages.as_ref().expect("initialised above");
-            if let Err(e) = self.pool.claim(self.shard, sp, &self.fresh, dev) {
-                for v in self.page_range(addr, rounded) {
-                    self.touch[v as usize] -= 1;
-                }
-                return Err(e);
-            }
-        }
-        let split = self.set.block(id).size - rounded >= MIN_BLOCK;
-        let id = self
-            .set
-            .allocate(id, rounded, size, Pool::of(rounded), split);
+        let id = if cached.is_some() {
+            self.set.take_cached(id, size, Pool::of(rounded))
+        } else {
+            let split = self.set.block(id).size - rounded >= MIN_BLOCK;
+            self.set
+                .allocate(id, rounded, size, Pool::of(rounded), split)
+        };
         Ok(Placement {
             addr,
             size: self.set.block(id).size,
@@ -743,12 +783,22 @@ impl Policy for Stitched {
             return Ok(None);
         };
         let size = self.set.block(id).size;
-        self.set.free_requested(id);
-        self.release_block(id);
+        if size > QUICK_MAX {
+            self.untouch_pages(addr, size);
+        }
+        // A small block waits whole in the quick cache, still counted on its pages (which it
+        // shares with its neighbours anyway), so that taking it back touches no page; it lets
+        // go of them when it is merged back.
+        if let Some((a, s)) = self.set.free_now(id) {
+            self.untouch_pages(a, s);
+        }
         Ok(Some(size))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
+        for (a, s) in self.set.flush_cache() {
+            self.untouch_pages(a, s);
+        }
         self.pool.trim(dev)
     }
 
