@@ -29,6 +29,7 @@ pub struct Allocation {
     /// Stream it was allocated on.
     pub stream: Stream,
     shard: u32,
+    handle: u32,
 }
 
 struct Pending {
@@ -188,6 +189,7 @@ impl Allocator {
                         size: p.size,
                         stream,
                         shard: idx,
+                        handle: p.handle,
                     });
                 }
                 Err(e) if e.out_of_memory && retries == 0 => {
@@ -306,25 +308,25 @@ impl Allocator {
     /// Frees the block at `ptr` (searching every stream's pool for it).
     pub fn free(&self, ptr: DevPtr) -> Result<(), AllocError> {
         let (_, shard) = self.find_owner(ptr, None)?;
-        self.free_in(shard, ptr)
+        self.free_in(shard, ptr, None)
     }
 
     /// Frees the block at `ptr`, which was allocated on `stream` (PyTorch's free hook passes
     /// it); falls back to a search if it was not.
     pub fn free_on(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
         let (_, shard) = self.find_owner(ptr, Some(stream))?;
-        self.free_in(shard, ptr)
+        self.free_in(shard, ptr, None)
     }
 
     /// Frees an allocation returned by [`Allocator::allocate`].
     pub fn free_allocation(&self, a: &Allocation) -> Result<(), AllocError> {
         match self.shards.slot(a.shard as usize) {
-            Some(sh) if sh.stream == a.stream => self.free_in(sh, a.ptr),
+            Some(sh) if sh.stream == a.stream => self.free_in(sh, a.ptr, Some(a.handle)),
             _ => Err(AllocError::UnknownPointer { ptr: a.ptr }),
         }
     }
 
-    fn free_in(&self, shard: &Shard, ptr: DevPtr) -> Result<(), AllocError> {
+    fn free_in(&self, shard: &Shard, ptr: DevPtr, handle: Option<u32>) -> Result<(), AllocError> {
         let mut st = shard.state.lock();
         let uses = if st.uses.is_empty() {
             None
@@ -340,7 +342,10 @@ impl Allocator {
         }
         let known = match uses {
             // Used on no other stream: reusable at once.
-            None => st.policy.free(ptr, &self.device)?.is_some(),
+            None => match handle {
+                Some(h) => st.policy.free_handle(h, ptr, &self.device)?.is_some(),
+                None => st.policy.free(ptr, &self.device)?.is_some(),
+            },
             Some(_) => st.policy.free_requested(ptr).is_some(),
         };
         if !known {

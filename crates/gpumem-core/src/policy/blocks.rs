@@ -419,6 +419,15 @@ impl BlockSet {
             .filter(|&id| self.blocks[id as usize].state == State::Allocated)
     }
 
+    /// Block `id`, if it is allocated at `addr` (a handle check that needs no lookup).
+    #[inline]
+    pub fn allocated_handle(&self, id: u32, addr: u64) -> Option<u32> {
+        self.blocks
+            .get(id as usize)
+            .filter(|b| b.addr == addr && b.state == State::Allocated)
+            .map(|_| id)
+    }
+
     /// The pending (freed, waiting for events) block at `addr`, if there is one.
     #[inline]
     pub fn pending_at(&self, addr: u64) -> Option<u32> {

@@ -140,7 +140,11 @@ impl Policy for Buddy {
         st.active.inc(pool, 1);
         st.active_bytes.inc(pool, bytes);
         st.requested_bytes.inc(pool, size);
-        Ok(Placement { addr, size: bytes })
+        Ok(Placement {
+            addr,
+            size: bytes,
+            handle: super::NO_HANDLE,
+        })
     }
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {

@@ -266,6 +266,7 @@ impl Policy for Expandable {
         Ok(Placement {
             addr: b.addr,
             size: b.size,
+            handle: id,
         })
     }
 

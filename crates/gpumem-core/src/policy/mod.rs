@@ -66,7 +66,13 @@ pub struct Placement {
     pub addr: DevPtr,
     /// Bytes of the block (the request rounded up).
     pub size: u64,
+    /// The policy's own handle of the block (lets a free skip the address lookup), or
+    /// `NO_HANDLE`.
+    pub handle: u32,
 }
+
+/// A placement without a policy handle.
+pub const NO_HANDLE: u32 = u32::MAX;
 
 /// A placement policy for one stream.
 pub trait Policy: Send {
@@ -95,6 +101,18 @@ pub trait Policy: Send {
                 Ok(Some(size))
             }
         }
+    }
+
+    /// [`Policy::free`] of the block placed with `handle` at `addr` (checked, so a stale
+    /// handle is refused like an unknown pointer).
+    fn free_handle(
+        &mut self,
+        handle: u32,
+        addr: DevPtr,
+        dev: &Device,
+    ) -> Result<Option<u64>, BackendError> {
+        let _ = handle;
+        self.free(addr, dev)
     }
 
     /// Returns cached memory that no live block uses to the device; returns the bytes

@@ -71,6 +71,12 @@ impl Segmented {
         }
     }
 
+    fn free_block(&mut self, id: u32) -> u64 {
+        let size = self.set.block(id).size;
+        self.set.free_now(id);
+        size
+    }
+
     fn should_split(&self, pool: Pool, remaining: u64) -> bool {
         match pool {
             Pool::Small => remaining >= MIN_BLOCK,
@@ -92,6 +98,7 @@ impl Policy for Segmented {
             return Ok(Placement {
                 addr: self.set.block(id).addr,
                 size: rounded,
+                handle: id,
             });
         }
         let mut found = self.set.best_fit(pool, rounded);
@@ -114,6 +121,7 @@ impl Policy for Segmented {
         Ok(Placement {
             addr: b.addr,
             size: b.size,
+            handle: id,
         })
     }
 
@@ -131,12 +139,19 @@ impl Policy for Segmented {
     }
 
     fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        let Some(id) = self.set.allocated_at(addr) else {
-            return Ok(None);
-        };
-        let size = self.set.block(id).size;
-        self.set.free_now(id);
-        Ok(Some(size))
+        Ok(self.set.allocated_at(addr).map(|id| self.free_block(id)))
+    }
+
+    fn free_handle(
+        &mut self,
+        handle: u32,
+        addr: DevPtr,
+        _dev: &Device,
+    ) -> Result<Option<u64>, BackendError> {
+        Ok(self
+            .set
+            .allocated_handle(handle, addr)
+            .map(|id| self.free_block(id)))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {

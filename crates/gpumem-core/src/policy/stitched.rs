@@ -667,6 +667,24 @@ impl Stitched {
         self.set.release(id);
     }
 
+    /// Frees allocated block `id` used on no other stream; returns its size.
+    fn free_block(&mut self, id: u32) -> u64 {
+        let (addr, size) = {
+            let b = self.set.block(id);
+            (b.addr, b.size)
+        };
+        if size > QUICK_MAX {
+            self.untouch_pages(addr, size);
+        }
+        // A small block waits whole in the quick cache, still counted on its pages (which it
+        // shares with its neighbours anyway), so that taking it back touches no page; it lets
+        // go of them when it is merged back.
+        if let Some((a, s)) = self.set.free_now(id) {
+            self.untouch_pages(a, s);
+        }
+        size
+    }
+
     /// A block now covers `[addr, addr + size)`: count it on its pages and claim a physical
     /// page for each page it is the first to touch. On failure nothing changes.
     fn touch_pages(&mut self, addr: u64, size: u64, dev: &Device) -> Result<(), BackendError> {
@@ -762,6 +780,7 @@ impl Policy for Stitched {
         Ok(Placement {
             addr,
             size: self.set.block(id).size,
+            handle: id,
         })
     }
 
@@ -779,20 +798,19 @@ impl Policy for Stitched {
     }
 
     fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        let Some(id) = self.set.allocated_at(addr) else {
-            return Ok(None);
-        };
-        let size = self.set.block(id).size;
-        if size > QUICK_MAX {
-            self.untouch_pages(addr, size);
-        }
-        // A small block waits whole in the quick cache, still counted on its pages (which it
-        // shares with its neighbours anyway), so that taking it back touches no page; it lets
-        // go of them when it is merged back.
-        if let Some((a, s)) = self.set.free_now(id) {
-            self.untouch_pages(a, s);
-        }
-        Ok(Some(size))
+        Ok(self.set.allocated_at(addr).map(|id| self.free_block(id)))
+    }
+
+    fn free_handle(
+        &mut self,
+        handle: u32,
+        addr: DevPtr,
+        _dev: &Device,
+    ) -> Result<Option<u64>, BackendError> {
+        Ok(self
+            .set
+            .allocated_handle(handle, addr)
+            .map(|id| self.free_block(id)))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
