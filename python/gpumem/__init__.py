@@ -17,9 +17,16 @@ stranded by fragmentation). Two ways to use it from Python:
 
 Configuration strings (``conf=`` or the ``GPUMEM_CONF`` environment variable) look like
 ``"policy:stitched,fraction:0.9"``; see docs/pytorch.md.
+
+Diagnostics: ``memory_summary()``, ``snapshot()`` and ``leak_report()`` of an allocator (or
+``gpumem.torch``'s functions of the same names), ``gpumem.leak_report()``,
+``gpumem.testing.assert_no_leaks()``. With ``GPUMEM_LEAK_CHECK=1`` in the environment the
+allocations still live at interpreter exit are printed to standard error.
 """
 
-from . import torch
+import atexit
+
+from . import testing, torch
 from ._native import (
     Allocator,
     DoubleFreeError,
@@ -30,6 +37,11 @@ from ._native import (
     __version__,
     cuda_device_count,
 )
+from .leaks import LeakReport, _check_at_exit, leak_report
+
+# With GPUMEM_LEAK_CHECK=1, prints what every allocator still has allocated when the
+# interpreter exits; does nothing without it.
+atexit.register(_check_at_exit)
 
 __all__ = [
     "Allocator",
@@ -37,8 +49,11 @@ __all__ = [
     "GpumemError",
     "InvalidPointerError",
     "InvalidSizeError",
+    "LeakReport",
     "OutOfMemoryError",
     "__version__",
     "cuda_device_count",
+    "leak_report",
+    "testing",
     "torch",
 ]

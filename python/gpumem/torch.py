@@ -13,7 +13,8 @@ honoured, and an allocation that cannot be met raises ``torch.cuda.OutOfMemoryEr
 PyTorch's own statistics functions do not work under a pluggable allocator; this module
 provides them in the same shapes (``memory_stats``, ``memory_summary``, ``snapshot``...), and
 ``install()`` by default points ``torch.cuda.memory_stats`` & co. at them so that existing code
-keeps working.
+keeps working. ``record_memory_history()`` turns on the allocation history that snapshots
+carry, and ``leak_report()`` lists what is still allocated.
 
 Importing this module does not import PyTorch; only ``install()`` does.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
-import pickle
 import sys
 import threading
 import warnings
@@ -34,6 +34,8 @@ from ._native import GpumemError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch as _torch_mod
+
+    from .leaks import LeakReport
 
     DeviceLike = Union[int, str, "_torch_mod.device", None]
 else:
@@ -51,9 +53,12 @@ __all__ = [
     "max_memory_reserved",
     "reset_peak_memory_stats",
     "memory_summary",
+    "memory_stats_json",
     "snapshot",
     "memory_snapshot",
     "dump_snapshot",
+    "record_memory_history",
+    "leak_report",
     "empty_cache",
     "set_memory_fraction",
     "error_counts",
@@ -120,9 +125,10 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
             ``GPUMEM_CONF`` environment variable (and uses the defaults when it is unset).
         patch_torch: also point ``torch.cuda.memory_stats``, ``memory_stats_as_nested_dict``,
             ``reset_peak_memory_stats``, ``memory_summary``, ``memory_snapshot`` and
-            ``torch.cuda.memory._snapshot``/``_dump_snapshot`` at gpumem's versions (which the
-            helpers ``memory_allocated``, ``max_memory_reserved``... use), since PyTorch's
-            raise under a pluggable allocator.
+            ``torch.cuda.memory._snapshot``/``_dump_snapshot``/``_record_memory_history`` at
+            gpumem's versions (which the helpers ``memory_allocated``,
+            ``max_memory_reserved``... use), since PyTorch's raise under a pluggable
+            allocator.
 
     Raises:
         GpumemError: PyTorch is missing or has no CUDA, CUDA was already initialized by
@@ -289,39 +295,109 @@ def reset_peak_memory_stats(device: DeviceLike = None) -> None:
 
 
 def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
-    """A text table of ``device``'s statistics in the layout of ``torch.cuda.memory_summary()``.
+    """A text table of ``device``'s statistics in the layout of ``torch.cuda.memory_summary()``:
+    the same rows (allocated, active, requested, GPU reserved and non-releasable memory,
+    allocations, active allocs, GPU reserved segments, non-releasable allocs, oversize
+    allocations and segments), the same columns (current, peak, total allocated, total
+    freed) and units. ``abbreviated`` keeps only the all-pools row of each metric, as
+    PyTorch's does."""
+    return _native.torch_memory_summary(_device_index(device), bool(abbreviated))
 
-    ``abbreviated`` is accepted for compatibility with PyTorch's signature; gpumem always
-    prints the full table.
-    """
-    del abbreviated
-    return _native.torch_memory_summary(_device_index(device))
+
+def memory_stats_json(device: DeviceLike = None) -> str:
+    """``device``'s statistics as JSON text, for logs and dashboards:
+    ``{"stats": {...}, "flat": {...}}``, the statistics nested by metric and pool
+    (``stats["allocated_bytes"]["all"]["peak"]``) and flat under
+    :func:`memory_stats`'s names."""
+    return _native.torch_memory_stats_json(_device_index(device))
 
 
 def snapshot(device: DeviceLike = None) -> Dict[str, Any]:
-    """A dict shaped like ``torch.cuda.memory._snapshot()`` (``segments``, ``device_traces``,
-    ``allocator_settings``...) for ``device``, readable by ``torch.cuda._memory_viz``.
+    """A dict shaped like ``torch.cuda.memory._snapshot()`` for ``device``: ``segments``
+    (what gpumem holds, with its blocks), ``device_traces`` (the allocation history),
+    ``allocator_settings`` and ``external_annotations``; readable by
+    ``torch.cuda._memory_viz`` and PyTorch's memory visualizer.
 
-    Allocation history (``device_traces``) is recorded when the configuration enables it
-    (``history:N``).
-
-    Raises:
-        GpumemError: gpumem has not allocated on ``device`` yet, or snapshots are unavailable.
+    The history is recorded once :func:`record_memory_history` (or ``history:N`` in the
+    configuration) turned it on before gpumem's first allocation; without it
+    ``device_traces`` is empty. Before gpumem allocated on ``device`` the snapshot is empty.
     """
     return _native.torch_snapshot(_device_index(device))
 
 
 def memory_snapshot(device: DeviceLike = None) -> List[Dict[str, Any]]:
-    """The ``segments`` list, like ``torch.cuda.memory_snapshot()``."""
-    return _native.torch_segments(_device_index(device))
+    """The ``segments`` list of :func:`snapshot`, like ``torch.cuda.memory_snapshot()``."""
+    return snapshot(device)["segments"]
 
 
 def dump_snapshot(path: str = "dump_snapshot.pickle", device: DeviceLike = None) -> None:
-    """Writes :func:`snapshot` as a pickle (open it with ``python -m torch.cuda._memory_viz``
-    or pytorch.org/memory_viz)."""
-    data = snapshot(device)
-    with open(path, "wb") as f:
-        pickle.dump(data, f)
+    """Writes :func:`snapshot` as a pickle, gzipped when ``path`` ends in ``.gz`` (open it
+    with ``python -m torch.cuda._memory_viz`` or pytorch.org/memory_viz)."""
+    _native.torch_dump_snapshot(_device_index(device), os.fspath(path))
+
+
+def record_memory_history(
+    enabled: Union[bool, str, None] = True,
+    *,
+    max_entries: int = 100_000,
+    stacks: bool = True,
+) -> None:
+    """Records the allocation history that :func:`snapshot` carries in ``device_traces``
+    (like ``torch.cuda.memory._record_memory_history``): the last ``max_entries`` events
+    (allocations, frees, segments mapped and released, out-of-memory errors), with the stack
+    of each allocation when ``stacks`` (native frames: PyTorch releases the interpreter
+    before it allocates, so gpumem cannot see the Python caller).
+
+    gpumem's engine fixes these settings when it creates the allocator of a device, on the
+    first allocation there: call this before any tensor is created on the GPU (before or
+    after :func:`install`). The same settings come from the configuration:
+    ``GPUMEM_CONF=history:100000,backtraces:1``. They apply to every device.
+
+    Args:
+        enabled: ``True`` (or PyTorch's ``"all"``) to record; ``False``/``None`` not to.
+        max_entries: events kept (older ones are dropped).
+        stacks: capture a stack at each allocation (costs time on every allocation).
+
+    Raises:
+        GpumemError: gpumem already allocates with other history settings (asking for what
+            is in force does nothing).
+        ValueError: an ``enabled`` gpumem does not support (``"state"``).
+
+    Stopping a history that is already recording cannot be done; it warns and goes on.
+    """
+    if enabled is None or enabled is False:
+        entries = 0
+    elif enabled is True or enabled == "all":
+        entries = _entries(max_entries)
+    elif enabled == "state":
+        raise ValueError(
+            "gpumem records no 'state'-only history; use enabled=True (\"all\") for the "
+            "history with stacks, or leak_check:1,backtraces:1 for the stacks of live "
+            "allocations (gpumem.torch.leak_report())"
+        )
+    else:
+        raise ValueError(f"enabled must be True, False, None or 'all', not {enabled!r}")
+    warning = _native.torch_record_memory_history(entries, bool(stacks) and entries > 0)
+    if warning is not None:
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+
+
+def _entries(max_entries: Any) -> int:
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+        raise TypeError("max_entries must be an int")
+    if max_entries <= 0:
+        raise ValueError(f"max_entries must be positive, not {max_entries}")
+    return max_entries
+
+
+def leak_report(device: DeviceLike = None) -> "LeakReport":
+    """What is still allocated by gpumem on ``device``: a :class:`gpumem.LeakReport` (prints
+    as tables; ``.allocations`` and ``.sites`` hold the data). Sizes, streams and addresses
+    are always there; ages and call sites need leak tracking (``GPUMEM_LEAK_CHECK=1``, or
+    ``leak_check:1,backtraces:1`` in the configuration)."""
+    from .leaks import LeakReport
+
+    return LeakReport(_native.torch_leak_report(_device_index(device)))
 
 
 def empty_cache() -> int:
@@ -378,6 +454,26 @@ def _patch_torch(torch: Any) -> None:
         del mempool_id, include_traces
         return memory_snapshot(None)
 
+    def _record_memory_history(
+        enabled: Optional[str] = "all",
+        context: Optional[str] = "all",
+        stacks: str = "all",
+        max_entries: int = sys.maxsize,
+        device: DeviceLike = None,
+        clear_history: bool = False,
+        **ignored: Any,
+    ) -> None:
+        # PyTorch's signature. gpumem's history covers every device (`device` is ignored),
+        # and it records stacks at allocations ("alloc"): any context but None asks for them.
+        del stacks, device, ignored
+        if clear_history:
+            warnings.warn(
+                "gpumem cannot clear its allocation history; clear_history is ignored",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        record_memory_history(enabled, max_entries=max_entries, stacks=context is not None)
+
     replacements = {
         "memory_stats": memory_stats,
         "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
@@ -386,6 +482,7 @@ def _patch_torch(torch: Any) -> None:
         "memory_snapshot": _memory_snapshot,
         "_snapshot": _snapshot,
         "_dump_snapshot": _dump_snapshot,
+        "_record_memory_history": _record_memory_history,
     }
     for module in (torch.cuda.memory, torch.cuda):
         for name, fn in replacements.items():

@@ -100,3 +100,121 @@ def run_python(code, env=None, timeout=600):
         raise AssertionError(
             f"child printed no JSON: {e}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         ) from e
+
+
+# The rows of torch.cuda.memory_summary() (torch/cuda/memory.py, memory_summary) with the
+# statistics they show, and its columns.
+SUMMARY_ROWS = [
+    ("Allocated memory", "allocated_bytes"),
+    ("Active memory", "active_bytes"),
+    ("Requested memory", "requested_bytes"),
+    ("GPU reserved memory", "reserved_bytes"),
+    ("Non-releasable memory", "inactive_split_bytes"),
+    ("Allocations", "allocation"),
+    ("Active allocs", "active"),
+    ("GPU reserved segments", "segment"),
+    ("Non-releasable allocs", "inactive_split"),
+]
+OVERSIZE_ROWS = ["Oversize allocations", "Oversize GPU segments"]
+COLUMNS = ["current", "peak", "allocated", "freed"]
+SIZE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+COUNT_UNITS = {"": 1, "K": 1000, "M": 1000**2}
+
+# The keys and value types of torch.cuda.memory._snapshot() (PyTorch 2.11,
+# torch/csrc/cuda/memory_snapshot.cpp).
+SEGMENT_TYPES = {
+    "device": int,
+    "address": int,
+    "total_size": int,
+    "allocated_size": int,
+    "active_size": int,
+    "requested_size": int,
+    "stream": int,
+    "segment_type": str,
+    "segment_pool_id": tuple,
+    "is_expandable": bool,
+    "frames": list,
+    "blocks": list,
+}
+BLOCK_TYPES = {"address": int, "size": int, "requested_size": int, "state": str, "frames": list}
+ENTRY_TYPES = {"action": str, "addr": int, "size": int, "stream": int, "time_us": int}
+
+
+def parse_summary(text):
+    """{(row label, "all" | "large" | "small"): [current, peak, allocated, freed]}, each cell
+    as (number, unit)."""
+    rows, metric = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or cells[0] == "Metric":
+            continue
+        label = cells[0]
+        if label.startswith("from "):
+            key = (metric, label.split()[1])
+        else:
+            metric, key = label, (label, "all")
+        parsed = []
+        for c in cells[1:]:
+            number, _, unit = c.partition(" ")
+            parsed.append((int(number), unit.strip()))
+        rows[key] = parsed
+    return rows
+
+
+def check_summary_against_stats(text, stats, abbreviated=False):
+    """Every cell of the table is the statistic it stands for, in the cell's unit (truncated,
+    as PyTorch's table truncates), and each column uses one unit."""
+    rows = parse_summary(text)
+    pools = [("all", "all")] if abbreviated else [("all", "all"), ("large", "large_pool"), ("small", "small_pool")]
+    for label, name in SUMMARY_ROWS:
+        units = SIZE_UNITS if name.endswith("bytes") else COUNT_UNITS
+        for pool, pool_key in pools:
+            cells = rows[(label, pool)]
+            for col, (number, unit) in zip(COLUMNS, cells):
+                value = stats[f"{name}.{pool_key}.{col}"]
+                assert unit in units, (label, pool, col, unit)
+                assert number == value // units[unit], (label, pool, col, number, unit, value)
+                assert unit == rows[(label, "all")][COLUMNS.index(col)][1], "one unit per column"
+    for label in OVERSIZE_ROWS:
+        assert rows[(label, "all")] == [(0, "")] * 4
+    if abbreviated:
+        assert not any(pool != "all" for _, pool in rows)
+
+
+def check_snapshot_shape(snap):
+    assert set(snap) == {"segments", "device_traces", "allocator_settings", "external_annotations"}
+    assert isinstance(snap["device_traces"], list) and all(isinstance(t, list) for t in snap["device_traces"])
+    for seg in snap["segments"]:
+        assert set(seg) == set(SEGMENT_TYPES), set(seg) ^ set(SEGMENT_TYPES)
+        for k, t in SEGMENT_TYPES.items():
+            assert isinstance(seg[k], t), (k, seg[k])
+        assert seg["segment_type"] in ("small", "large")
+        # Blocks tile their segment, in address order.
+        at = seg["address"]
+        for b in seg["blocks"]:
+            assert set(b) == set(BLOCK_TYPES)
+            for k, t in BLOCK_TYPES.items():
+                assert isinstance(b[k], t), (k, b[k])
+            assert b["state"] in ("active_allocated", "active_pending_free", "inactive")
+            assert b["address"] == at
+            at += b["size"]
+        assert at == seg["address"] + seg["total_size"]
+        allocated = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+        assert seg["allocated_size"] == sum(b["size"] for b in allocated)
+    for trace in snap["device_traces"]:
+        for e in trace:
+            keys = dict(ENTRY_TYPES)
+            if e["action"] == "oom":
+                keys["device_free"] = keys.pop("addr")
+            assert set(keys) <= set(e) <= set(keys) | {"frames"}, e
+            for k, t in keys.items():
+                assert isinstance(e[k], t), (k, e)
+
+
+def live_blocks(snap):
+    return {
+        b["address"]: (b["size"], b["requested_size"], seg["segment_type"])
+        for seg in snap["segments"]
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }

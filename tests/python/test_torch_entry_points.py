@@ -4,11 +4,23 @@ is driven through gpumem._native (and, for failures, through the exported C func
 called from C++ as PyTorch calls it). Each test uses its own simulated device, since the
 registry lives for the whole process."""
 
+import json
+import pickle
+
 import pytest
 
 import gpumem
+import gpumem.testing
 from gpumem import _native
-from conftest import GIB, MIB, TORCH_STAT_KEYS
+from conftest import (
+    GIB,
+    MIB,
+    TORCH_STAT_KEYS,
+    check_snapshot_shape,
+    check_summary_against_stats,
+    live_blocks,
+    parse_summary,
+)
 
 DEVICES = 8
 
@@ -151,3 +163,76 @@ def test_install_without_pytorch_says_what_is_missing():
     with pytest.raises(gpumem.GpumemError, match="needs PyTorch"):
         gpumem.torch.install()
     assert not gpumem.torch.is_installed()
+
+
+# Diagnostics of the PyTorch allocators. Device 0 is used by these tests only; device
+# DEVICES - 1 never allocates.
+
+
+def test_summary_of_a_device_has_torchs_title_rows_and_figures():
+    dev = 0
+    ptrs = [_native.torch_alloc(n, dev, 0) for n in (40 * MIB, 1000)]
+    text = gpumem.torch.memory_summary(dev)
+    assert "gpumem CUDA memory summary, device ID 0 (policy stitched)" in text
+    stats = gpumem.torch.memory_stats(dev)
+    check_summary_against_stats(text, stats)
+    rows = parse_summary(text)
+    assert rows[("Requested memory", "all")][0] == ((40 * MIB + 1000) // 1024, "KiB")
+    assert rows[("Allocations", "all")][:2] == [(2, ""), (2, "")]
+    short = gpumem.torch.memory_summary(f"cuda:{dev}", abbreviated=True)
+    check_summary_against_stats(short, stats, abbreviated=True)
+    data = json.loads(gpumem.torch.memory_stats_json(dev))
+    assert data["flat"] == dict(stats)
+    for p in ptrs:
+        assert _native.torch_free(p, dev, 0) == "freed"
+
+
+def test_snapshot_of_a_device_holds_its_blocks(tmp_path):
+    dev = 0
+    p = _native.torch_alloc(9 * MIB, dev, 0x77)
+    snap = gpumem.torch.snapshot(dev)
+    check_snapshot_shape(snap)
+    assert live_blocks(snap)[p] == (9 * MIB, 9 * MIB, "large")
+    assert all(s["device"] == dev for s in snap["segments"])
+    assert {s["stream"] for s in snap["segments"] if p in [b["address"] for b in s["blocks"]]} == {0x77}
+    assert gpumem.torch.memory_snapshot(dev) == snap["segments"]
+    path = tmp_path / "dev0.pickle"
+    gpumem.torch.dump_snapshot(str(path), dev)
+    assert pickle.loads(path.read_bytes()) == snap
+    assert snap["device_traces"] == [[]], "no history in this configuration"
+    assert _native.torch_free(p, dev, 0x77) == "freed"
+
+
+def test_snapshot_of_an_unused_device_is_empty():
+    snap = gpumem.torch.snapshot(DEVICES - 1)
+    check_snapshot_shape(snap)
+    assert snap["segments"] == [] and snap["device_traces"] == [[]] * DEVICES
+    assert snap["allocator_settings"]["gpumem_policy"] == "stitched"
+    assert gpumem.torch.memory_snapshot(DEVICES - 1) == []
+    assert len(gpumem.torch.leak_report(DEVICES - 1)) == 0
+    assert DEVICES - 1 not in gpumem.torch.devices(), "reading diagnostics creates no allocator"
+
+
+def test_leak_report_and_assert_no_leaks_of_a_device():
+    dev = 0
+    p = _native.torch_alloc(11 * MIB, dev, 0)
+    report = gpumem.torch.leak_report(dev)
+    assert not report.tracked, "this configuration does not track leaks"
+    assert [(x["addr"], x["size"]) for x in report.allocations] == [(p, 11 * MIB)]
+    assert gpumem.leak_report(device=dev).allocations == report.allocations
+    with pytest.raises(AssertionError, match="11.00 MiB"):
+        gpumem.testing.assert_no_leaks(device=dev)
+    assert _native.torch_free(p, dev, 0) == "freed"
+    gpumem.testing.assert_no_leaks(device=dev)
+
+
+def test_history_cannot_change_once_the_allocators_exist():
+    # What is in force (no history) is accepted; anything else says why and what to do.
+    gpumem.torch.record_memory_history(False)
+    with pytest.raises(gpumem.GpumemError, match="GPUMEM_CONF=history:N,backtraces:1"):
+        gpumem.torch.record_memory_history(True, max_entries=1000)
+    assert _native.torch_history_settings() == (0, False)
+    with pytest.raises(ValueError, match="state"):
+        gpumem.torch.record_memory_history("state")
+    with pytest.raises(ValueError, match="positive"):
+        gpumem.torch.record_memory_history(True, max_entries=0)

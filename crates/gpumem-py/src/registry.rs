@@ -129,8 +129,49 @@ struct Setup {
     conf_text: Option<String>,
     config: Option<Config>,
     source: Source,
+    /// Allocation history asked for with [`Registry::record_history`], applied on top of the
+    /// configuration when the allocators are created.
+    history: Option<HistoryRequest>,
     /// Whether any allocator exists (configuration is frozen from then on).
     created: bool,
+}
+
+/// `config` with the history of `req`, if any, in place of its own.
+fn with_history(mut config: Config, req: Option<HistoryRequest>) -> Config {
+    if let Some(h) = req {
+        config.history = h.entries;
+        // One flag serves history and leak tracking: stacks asked for by either are kept.
+        config.backtraces |= h.backtraces;
+    }
+    config
+}
+
+/// The allocation history asked for from Python (`gpumem.torch.record_memory_history`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryRequest {
+    /// Entries of the ring buffer (0: no history).
+    pub entries: usize,
+    /// A backtrace at each allocation.
+    pub backtraces: bool,
+}
+
+/// Why a history request could not be met.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryError {
+    /// The request asked to stop recording (callers may only warn: nothing is lost).
+    pub turning_off: bool,
+    /// What happened and what to do instead.
+    pub message: String,
+}
+
+/// The configuration text parsed, with `GPUMEM_LEAK_CHECK` applied on top of it (as
+/// [`Config::from_env`] does).
+fn parse_conf(text: &str) -> Result<Config, String> {
+    Config::from_vars(
+        Some(text),
+        std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
+    )
+    .map_err(|e| e.to_string())
 }
 
 /// The per-device allocators of the process.
@@ -168,20 +209,22 @@ impl Registry {
                 conf_text: None,
                 config: None,
                 source,
+                history: None,
                 created: false,
             }),
             counters: Counters::default(),
         }
     }
 
-    /// Fixes the configuration: `conf`, or `GPUMEM_CONF` when `None`, or the defaults. Once an
-    /// allocator exists only the same configuration is accepted.
+    /// Fixes the configuration: `conf`, or `GPUMEM_CONF` when `None`, or the defaults
+    /// (`GPUMEM_LEAK_CHECK=1` adds leak tracking with backtraces). Once an allocator exists
+    /// only the same configuration is accepted.
     pub fn configure(&self, conf: Option<&str>) -> Result<String, String> {
         let text = match conf {
             Some(c) => c.to_string(),
             None => std::env::var("GPUMEM_CONF").unwrap_or_default(),
         };
-        let config = Config::parse(&text).map_err(|e| format!("gpumem configuration: {e}"))?;
+        let config = parse_conf(&text).map_err(|e| format!("gpumem configuration: {e}"))?;
         let mut setup = self.setup.lock();
         if setup.created && setup.conf_text.as_deref() != Some(text.as_str()) {
             return Err(format!(
@@ -198,6 +241,60 @@ impl Registry {
     /// The configuration text in force (after [`Registry::configure`] or the first allocator).
     pub fn conf_text(&self) -> Option<String> {
         self.setup.lock().conf_text.clone()
+    }
+
+    /// Records the allocation history (`entries` events, 0 for none), with a backtrace at each
+    /// allocation when `backtraces`. The engine reads these settings when it creates an
+    /// allocator, so they take effect only before the first allocation; afterwards a request
+    /// that matches what is in force is accepted and any other is an error.
+    pub fn record_history(&self, req: HistoryRequest) -> Result<(), HistoryError> {
+        let mut setup = self.setup.lock();
+        if !setup.created {
+            setup.history = Some(req);
+            return Ok(());
+        }
+        let Some(config) = self
+            .devices()
+            .first()
+            .and_then(|&d| self.get(d))
+            .map(|s| s.alloc.config().clone())
+        else {
+            setup.history = Some(req);
+            return Ok(());
+        };
+        let (entries, backtraces) = (config.history, config.backtraces);
+        if req.entries == entries && (backtraces || !req.backtraces) {
+            return Ok(());
+        }
+        let now = if entries == 0 {
+            "records no history".to_string()
+        } else {
+            format!(
+                "records the last {entries} events {} stack traces",
+                if backtraces { "with" } else { "without" }
+            )
+        };
+        Err(HistoryError {
+            turning_off: req.entries == 0,
+            message: format!(
+                "gpumem already serves allocations and {now}: the history is set when gpumem \
+                 creates its allocator for a device, before the first CUDA allocation. Call \
+                 gpumem.torch.record_memory_history() before any tensor is created on the GPU, \
+                 or set GPUMEM_CONF=history:N,backtraces:1 (or install(conf=...))"
+            ),
+        })
+    }
+
+    /// The configuration the allocators have, or will have when created.
+    pub fn effective_config(&self) -> Config {
+        if let Some(s) = self.devices().first().and_then(|&d| self.get(d)) {
+            return s.alloc.config().clone();
+        }
+        let setup = self.setup.lock();
+        let config = setup.config.clone().unwrap_or_else(|| {
+            parse_conf(&std::env::var("GPUMEM_CONF").unwrap_or_default()).unwrap_or_default()
+        });
+        with_history(config, setup.history)
     }
 
     /// Switches to simulated devices. Only before the first allocator exists.
@@ -239,12 +336,12 @@ impl Registry {
             // Loaded without gpumem.torch.install() (a hand-made CUDAPluggableAllocator):
             // the environment decides.
             let text = std::env::var("GPUMEM_CONF").unwrap_or_default();
-            let config = Config::parse(&text)
+            let config = parse_conf(&text)
                 .map_err(|e| TorchError::Other(format!("gpumem: GPUMEM_CONF: {e}")))?;
             setup.conf_text = Some(text);
             setup.config = Some(config);
         }
-        let config = setup.config.clone().unwrap_or_default();
+        let config = with_history(setup.config.clone().unwrap_or_default(), setup.history);
         let (backend, sim): (Box<dyn Backend>, Option<SimControl>) = match &setup.source {
             Source::Cuda => {
                 let b = gpumem_cuda::open_backend(device as u32).map_err(|e| {
@@ -583,6 +680,71 @@ mod tests {
         let e = r.configure(Some("policy:buddy")).unwrap_err();
         assert!(e.contains("cannot change"), "{e}");
         assert!(r.use_source(Source::Cuda).is_err());
+    }
+
+    #[test]
+    fn history_is_set_before_the_first_allocator_and_fixed_after() {
+        let r = sim(1, 1 << 30, false);
+        // Asked for before the configuration (record_memory_history before install()).
+        r.record_history(HistoryRequest {
+            entries: 100,
+            backtraces: true,
+        })
+        .unwrap();
+        r.configure(Some("policy:native")).unwrap();
+        assert_eq!(r.effective_config().history, 100);
+        let p = r.alloc(MIB, 0, 0).unwrap();
+        let alloc = &r.get(0).unwrap().alloc;
+        assert_eq!(
+            (alloc.config().history, alloc.config().backtraces),
+            (100, true)
+        );
+        let recorded = alloc.with_tracker(|t| t.history().count()).unwrap();
+        assert!(recorded >= 2, "a segment and an allocation: {recorded}");
+        // What is in force is accepted again (stacks are kept even if not asked for).
+        for backtraces in [true, false] {
+            r.record_history(HistoryRequest {
+                entries: 100,
+                backtraces,
+            })
+            .unwrap();
+        }
+        let e = r
+            .record_history(HistoryRequest {
+                entries: 5,
+                backtraces: true,
+            })
+            .unwrap_err();
+        assert!(!e.turning_off);
+        assert!(
+            e.message
+                .contains("records the last 100 events with stack traces"),
+            "{}",
+            e.message
+        );
+        let e = r
+            .record_history(HistoryRequest {
+                entries: 0,
+                backtraces: false,
+            })
+            .unwrap_err();
+        assert!(e.turning_off, "{e:?}");
+        assert_eq!(r.free(p, 0, 0), FreeOutcome::Freed);
+    }
+
+    #[test]
+    fn history_can_be_refused_before_the_first_allocator() {
+        let r = sim(1, 1 << 30, false);
+        r.configure(Some("policy:caching,history:50")).unwrap();
+        r.record_history(HistoryRequest {
+            entries: 0,
+            backtraces: false,
+        })
+        .unwrap();
+        r.alloc(MIB, 0, 0).unwrap();
+        let alloc = &r.get(0).unwrap().alloc;
+        assert_eq!(alloc.config().history, 0);
+        assert!(alloc.with_tracker(|_| ()).is_none(), "no tracker at all");
     }
 
     #[test]

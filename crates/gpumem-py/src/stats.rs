@@ -16,9 +16,36 @@ pub fn torch_flat_stats(stats: &MemoryStats) -> BTreeMap<String, i64> {
     m
 }
 
+/// The statistics as JSON text: gpumem-core's `{"stats": {...nested...}, "flat": {...}}`
+/// (`report::summary::stats_json`), with `flat` holding exactly the keys of
+/// [`torch_flat_stats`], as `memory_stats()` returns them.
+pub fn stats_json_text(stats: &MemoryStats) -> String {
+    let mut v = gpumem_core::report::summary::stats_json(stats);
+    v["flat"] = serde_json::json!(torch_flat_stats(stats));
+    v.to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_has_nested_stats_and_torchs_flat_keys() {
+        let mut s = MemoryStats::default();
+        s.allocated_bytes.all.current = 4096;
+        s.allocated_bytes.all.peak = 8192;
+        s.num_ooms = 2;
+        let v: serde_json::Value = serde_json::from_str(&stats_json_text(&s)).unwrap();
+        assert_eq!(v["flat"]["allocated_bytes.all.current"], 4096);
+        assert_eq!(v["flat"]["allocated_bytes.all.peak"], 8192);
+        assert_eq!(v["flat"]["oversize_segments.peak"], 0);
+        assert_eq!(
+            v["flat"].as_object().unwrap().len(),
+            torch_flat_stats(&s).len()
+        );
+        assert_eq!(v["stats"]["num_ooms"], 2);
+        assert_eq!(v["stats"]["allocated_bytes"]["all"]["peak"], 8192);
+    }
 
     #[test]
     fn has_every_key_of_torch() {

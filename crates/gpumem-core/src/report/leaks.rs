@@ -72,7 +72,7 @@ pub fn leak_report(alloc: &Allocator) -> LeakReport {
     let tracked = alloc
         .with_tracker(|t| t.tracks_leaks().then(|| t.live()))
         .flatten();
-    let mut allocations: Vec<LiveAllocation> = match &tracked {
+    let allocations: Vec<LiveAllocation> = match &tracked {
         Some(live) => live
             .iter()
             .map(|(addr, l)| {
@@ -110,42 +110,55 @@ pub fn leak_report(alloc: &Allocator) -> LeakReport {
             })
             .collect(),
     };
-    allocations.sort_by(|a, b| {
-        b.age_s
-            .unwrap_or(0.0)
-            .total_cmp(&a.age_s.unwrap_or(0.0))
-            .then(a.addr.cmp(&b.addr))
-    });
-    let mut by_site: FxHashMap<&str, CallSite> = FxHashMap::default();
-    for a in &allocations {
-        let s = by_site.entry(&a.site).or_insert_with(|| CallSite {
-            site: a.site.clone(),
-            count: 0,
-            bytes: 0,
-            oldest_age_s: None,
-            streams: Vec::new(),
-        });
-        s.count += 1;
-        s.bytes += a.size;
-        if let Some(age) = a.age_s {
-            s.oldest_age_s = Some(s.oldest_age_s.map_or(age, |o: f64| o.max(age)));
-        }
-        if !s.streams.contains(&a.stream) {
-            s.streams.push(a.stream);
-        }
-    }
-    let mut sites: Vec<CallSite> = by_site.into_values().collect();
-    sites.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.site.cmp(&b.site)));
-    LeakReport {
-        tracked: tracked.is_some(),
-        backtraces: tracked.is_some() && backtraces,
-        total_bytes: allocations.iter().map(|a| a.size).sum(),
-        sites,
-        allocations,
-    }
+    let backtraces = tracked.is_some() && backtraces;
+    LeakReport::from_allocations(tracked.is_some(), backtraces, allocations)
 }
 
 impl LeakReport {
+    /// The report of `allocations`: sorted (oldest first when ages are known, else by
+    /// address) and grouped by call site. [`leak_report`] builds it from the allocator; an
+    /// embedder that knows better call sites (the Python package, which records the Python
+    /// caller of each allocation) rewrites `site` and `frames` and regroups with this.
+    pub fn from_allocations(
+        tracked: bool,
+        backtraces: bool,
+        mut allocations: Vec<LiveAllocation>,
+    ) -> LeakReport {
+        allocations.sort_by(|a, b| {
+            b.age_s
+                .unwrap_or(0.0)
+                .total_cmp(&a.age_s.unwrap_or(0.0))
+                .then(a.addr.cmp(&b.addr))
+        });
+        let mut by_site: FxHashMap<&str, CallSite> = FxHashMap::default();
+        for a in &allocations {
+            let s = by_site.entry(&a.site).or_insert_with(|| CallSite {
+                site: a.site.clone(),
+                count: 0,
+                bytes: 0,
+                oldest_age_s: None,
+                streams: Vec::new(),
+            });
+            s.count += 1;
+            s.bytes += a.size;
+            if let Some(age) = a.age_s {
+                s.oldest_age_s = Some(s.oldest_age_s.map_or(age, |o: f64| o.max(age)));
+            }
+            if !s.streams.contains(&a.stream) {
+                s.streams.push(a.stream);
+            }
+        }
+        let mut sites: Vec<CallSite> = by_site.into_values().collect();
+        sites.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.site.cmp(&b.site)));
+        LeakReport {
+            tracked,
+            backtraces,
+            total_bytes: allocations.iter().map(|a| a.size).sum(),
+            sites,
+            allocations,
+        }
+    }
+
     /// Nothing is live.
     pub fn is_empty(&self) -> bool {
         self.allocations.is_empty()

@@ -1,15 +1,21 @@
 //! `gpumem.Allocator`: one gpumem allocator, usable from Python without PyTorch, over a CUDA
 //! device or a simulated one.
 
-use super::{segments_list, stats_dict, to_pyerr, unpickle, GpumemError, InvalidSizeError};
+use super::{
+    add_python_frames, leak_report_dict, python_stack, stats_dict, to_pyerr, unpickle, GpumemError,
+    InvalidSizeError,
+};
+use crate::diagnostics::{leaks_of, summary, watch_at_exit, CallerStacks};
+use crate::stats::stats_json_text;
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::Backend;
-use gpumem_core::report::{snapshot::snapshot_pickle, summary::memory_summary};
+use gpumem_core::report::snapshot::{snapshot_pickle, write_snapshot};
 use gpumem_core::units::H200_TOTAL_BYTES;
 use gpumem_core::{Allocator, Config};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Which device an `Allocator` serves: `"sim"` or a CUDA ordinal.
@@ -26,7 +32,11 @@ pub enum DeviceArg {
 /// Allocator(conf=None, device="sim", sim_memory=None, sim_events="immediate")
 ///
 /// conf: a GPUMEM_CONF-style string ("policy:stitched,fraction:0.5"); None reads the
-///     GPUMEM_CONF environment variable (default policy: stitched).
+///     GPUMEM_CONF environment variable (default policy: stitched). "history:N" keeps the
+///     last N allocation events for snapshot(), "leak_check:1" tracks live allocations for
+///     leak_report(), "backtraces:1" records where each allocation was made (the Python
+///     stack, and the native one). GPUMEM_LEAK_CHECK=1 in the environment adds
+///     leak_check:1,backtraces:1 and reports what is still allocated at interpreter exit.
 /// device: "sim" for the simulated device (no GPU), or a CUDA device ordinal.
 /// sim_memory: bytes of the simulated device (default: an H200's 150,109,880,320).
 /// sim_events: "immediate" (work on other streams is always finished) or "manual" (events
@@ -39,6 +49,8 @@ pub struct PyAllocator {
     sim: Option<SimControl>,
     conf: String,
     device: String,
+    /// Python callers of the live allocations, when backtraces are recorded.
+    stacks: Option<Arc<CallerStacks>>,
 }
 
 fn checked_size(size: i128) -> PyResult<u64> {
@@ -57,6 +69,7 @@ impl PyAllocator {
     #[new]
     #[pyo3(signature = (conf=None, device=DeviceArg::Name("sim".into()), sim_memory=None, sim_events="immediate"))]
     fn new(
+        py: Python<'_>,
         conf: Option<&str>,
         device: DeviceArg,
         sim_memory: Option<u64>,
@@ -66,7 +79,11 @@ impl PyAllocator {
             Some(c) => c.to_string(),
             None => std::env::var("GPUMEM_CONF").unwrap_or_default(),
         };
-        let config = Config::parse(&conf_text).map_err(to_pyerr)?;
+        let config = Config::from_vars(
+            Some(&conf_text),
+            std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
+        )
+        .map_err(to_pyerr)?;
         let (backend, sim, device_name): (Box<dyn Backend>, Option<SimControl>, String) =
             match device {
                 DeviceArg::Name(n) if n == "sim" => {
@@ -110,12 +127,27 @@ impl PyAllocator {
                     (b, None, format!("cuda:{ordinal}"))
                 }
             };
-        let inner = Allocator::new(backend, config).map_err(to_pyerr)?;
+        let tracked = config.backtraces && (config.leak_check || config.history > 0);
+        let leak_check = config.leak_check;
+        let inner = Arc::new(Allocator::new(backend, config).map_err(to_pyerr)?);
+        let stacks = tracked.then(|| Arc::new(CallerStacks::new()));
+        if leak_check {
+            let made_at = python_stack(py)
+                .first()
+                .map(|f| format!(", made at {f}"))
+                .unwrap_or_default();
+            let label = format!(
+                "gpumem.Allocator(device={device_name:?}, policy={:?}){made_at}",
+                inner.policy().name()
+            );
+            watch_at_exit(label, &inner, stacks.as_ref());
+        }
         Ok(Self {
-            inner: Arc::new(inner),
+            inner,
             sim,
             conf: conf_text,
             device: device_name,
+            stacks,
         })
     }
 
@@ -124,9 +156,14 @@ impl PyAllocator {
     fn allocate(&self, py: Python<'_>, size: i128, stream: u64) -> PyResult<u64> {
         let size = checked_size(size)?;
         let a = self.inner.clone();
-        py.detach(move || a.allocate(size, stream))
+        let ptr = py
+            .detach(move || a.allocate(size, stream))
             .map(|a| a.ptr)
-            .map_err(to_pyerr)
+            .map_err(to_pyerr)?;
+        if let Some(s) = &self.stacks {
+            s.insert(ptr, python_stack(py));
+        }
+        Ok(ptr)
     }
 
     /// Frees the block at `ptr`. `stream`, if given, is the stream it was allocated on (a
@@ -134,12 +171,18 @@ impl PyAllocator {
     /// live blocks of this allocator.
     #[pyo3(signature = (ptr, stream=None))]
     fn free(&self, py: Python<'_>, ptr: u64, stream: Option<u64>) -> PyResult<()> {
+        // Forgotten before the free: once freed, another thread may be handed the same
+        // address. Put back if the free fails (the block is still live).
+        let stack = self.stacks.as_ref().and_then(|s| s.take(ptr));
         let a = self.inner.clone();
-        py.detach(move || match stream {
+        let freed = py.detach(move || match stream {
             Some(s) => a.free_on(ptr, s),
             None => a.free(ptr),
-        })
-        .map_err(to_pyerr)
+        });
+        if let (Err(_), Some(stack), Some(s)) = (&freed, stack, &self.stacks) {
+            s.restore(ptr, stack);
+        }
+        freed.map_err(to_pyerr)
     }
 
     /// Marks the block at `ptr` as used on `stream` too: once freed, it is reused only after
@@ -165,22 +208,79 @@ impl PyAllocator {
         stats_dict(py, &self.inner.memory_stats())
     }
 
-    /// A text table like `torch.cuda.memory_summary()`.
-    fn memory_summary(&self) -> String {
-        memory_summary(&self.inner.memory_stats())
+    /// Statistics as JSON text: {"stats": {...nested...}, "flat": {...memory_stats()...}}.
+    fn memory_stats_json(&self) -> String {
+        stats_json_text(&self.inner.memory_stats())
     }
 
-    /// A dict shaped like `torch.cuda.memory._snapshot()` (segments, device_traces, ...).
+    /// The statistics as a text table in the layout of `torch.cuda.memory_summary()`
+    /// (`abbreviated`: only the all-pools row of each metric).
+    #[pyo3(signature = (abbreviated=false))]
+    fn memory_summary(&self, abbreviated: bool) -> String {
+        let title = format!(
+            "gpumem memory summary, device {} (policy {})",
+            self.device,
+            self.inner.policy().name()
+        );
+        summary(&self.inner.memory_stats(), title, abbreviated)
+    }
+
+    /// A dict shaped like `torch.cuda.memory._snapshot()`: `segments` (with their blocks),
+    /// `device_traces` (the history, when the configuration keeps one: "history:N"),
+    /// `allocator_settings`, `external_annotations`. With "backtraces:1" blocks and entries
+    /// carry `frames`: the native stack, then the Python stack of live allocations.
     fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let bytes = snapshot_pickle(&self.inner)
             .map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))?;
-        unpickle(py, &bytes)
+        let snap = unpickle(py, &bytes)?;
+        if let Some(s) = &self.stacks {
+            add_python_frames(py, &snap, s)?;
+        }
+        Ok(snap)
     }
 
-    /// Segments and their blocks, as in the `segments` list of a PyTorch snapshot.
-    fn segments<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
-        let device = i64::from(self.inner.device_info().ordinal);
-        segments_list(py, device, &self.inner.snapshot())
+    /// Writes `snapshot()` as a pickle to `path` (gzipped when it ends in ".gz"), for
+    /// `python -m torch.cuda._memory_viz` and PyTorch's memory visualizer.
+    fn dump_snapshot(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        if self.stacks.is_none() {
+            let a = self.inner.clone();
+            return py
+                .detach(move || write_snapshot(&a, &path))
+                .map_err(|e| GpumemError::new_err(format!("snapshot: {e}")));
+        }
+        // With Python stacks the pickle is re-made from the dict they were added to.
+        let snap = self.snapshot(py)?;
+        let mut data = py
+            .import("pickle")?
+            .call_method1("dumps", (snap,))?
+            .cast_into::<PyBytes>()?;
+        if path.extension().is_some_and(|e| e == "gz") {
+            data = py
+                .import("gzip")?
+                .call_method1("compress", (data,))?
+                .cast_into::<PyBytes>()?;
+        }
+        std::fs::write(&path, data.as_bytes()).map_err(|e| {
+            GpumemError::new_err(format!("snapshot: cannot write {}: {e}", path.display()))
+        })
+    }
+
+    /// The segments and their blocks: the `segments` list of `snapshot()`, like
+    /// `torch.cuda.memory_snapshot()`.
+    fn segments<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        Ok(self
+            .snapshot(py)?
+            .get_item("segments")?
+            .cast_into::<PyList>()?)
+    }
+
+    /// What is still allocated, as a dict: `allocations` (address, size, stream, age_s,
+    /// site, frames), `sites` (grouped by call site), `total_bytes`, `tracked`, `backtraces`,
+    /// and `text`, the printed report. Ages and call sites need "leak_check:1,backtraces:1"
+    /// (or GPUMEM_LEAK_CHECK=1); the call site is the Python caller of `allocate`.
+    fn leak_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let r = leaks_of(&self.inner, self.stacks.as_deref());
+        leak_report_dict(py, &r)
     }
 
     /// Caps the memory held at `fraction` of the device (0 < fraction <= 1).

@@ -1,15 +1,19 @@
 //! The functions behind `gpumem.torch`: they act on the process-wide registry whose allocators
 //! PyTorch's pluggable allocator calls (through the C functions of `torch_abi`).
 
-use super::{segments_list, stats_dict, unpickle, GpumemError, OutOfMemoryError};
-use crate::registry::{global, sim_source, FreeOutcome, TorchError, MAX_DEVICES};
+use super::{leak_report_dict, stats_dict, unpickle, GpumemError, OutOfMemoryError};
+use crate::diagnostics::{empty_snapshot, leak_check_at_exit, leaks_of, summary};
+use crate::registry::{global, sim_source, FreeOutcome, HistoryRequest, TorchError, MAX_DEVICES};
+use crate::stats::stats_json_text;
 use crate::torch_abi::{bind_c10, call_alloc_from_cpp, oom_is_c10, CallOutcome};
 use gpumem_core::policy::BlockKind;
-use gpumem_core::report::{snapshot::snapshot_pickle, summary::memory_summary};
+use gpumem_core::report::leaks::LeakReport;
+use gpumem_core::report::snapshot::{snapshot_pickle, write_snapshot};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use pyo3::wrap_pyfunction;
+use std::path::PathBuf;
 
 fn device(d: i64) -> PyResult<usize> {
     usize::try_from(d)
@@ -79,35 +83,102 @@ fn torch_reset_peak_memory_stats(device_index: i64) -> PyResult<()> {
     Ok(())
 }
 
-/// The text summary of `device`'s statistics.
+/// `device`'s statistics as JSON text (nested, and flat under torch's names).
 #[pyfunction]
-fn torch_memory_summary(device_index: i64) -> PyResult<String> {
-    Ok(memory_summary(
+fn torch_memory_stats_json(device_index: i64) -> PyResult<String> {
+    Ok(stats_json_text(
         &global().memory_stats(device(device_index)?),
     ))
+}
+
+/// The summary table of `device`'s statistics, titled like PyTorch's.
+#[pyfunction]
+#[pyo3(signature = (device_index, abbreviated=false))]
+fn torch_memory_summary(device_index: i64, abbreviated: bool) -> PyResult<String> {
+    let d = device(device_index)?;
+    let title = format!(
+        "gpumem CUDA memory summary, device ID {d} (policy {})",
+        global().effective_config().policy.name()
+    );
+    Ok(summary(&global().memory_stats(d), title, abbreviated))
+}
+
+/// The snapshot pickle of `device`: its allocator's, or an empty one before gpumem allocated
+/// there (as PyTorch's is before the first allocation).
+fn snapshot_bytes(d: usize) -> PyResult<Vec<u8>> {
+    match global().get(d) {
+        Some(slot) => {
+            snapshot_pickle(&slot.alloc).map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))
+        }
+        None => Ok(empty_snapshot(d as u32, &global().effective_config())),
+    }
 }
 
 /// A snapshot dict of `device` in PyTorch's format.
 #[pyfunction]
 fn torch_snapshot(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, PyAny>> {
-    let d = device(device_index)?;
-    let slot = global().get(d).ok_or_else(|| {
-        GpumemError::new_err(format!("gpumem has not allocated on device {d} yet"))
-    })?;
-    let bytes =
-        snapshot_pickle(&slot.alloc).map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))?;
+    let bytes = snapshot_bytes(device(device_index)?)?;
     unpickle(py, &bytes)
 }
 
-/// The segments of `device` (list of dicts as in a PyTorch snapshot's `segments`).
+/// Writes the snapshot of `device` to `path` (gzipped when it ends in ".gz").
 #[pyfunction]
-fn torch_segments(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, pyo3::types::PyList>> {
+fn torch_dump_snapshot(py: Python<'_>, device_index: i64, path: PathBuf) -> PyResult<()> {
     let d = device(device_index)?;
-    let segs = global()
-        .get(d)
-        .map(|s| s.alloc.snapshot())
-        .unwrap_or_default();
-    segments_list(py, device_index, &segs)
+    let Some(slot) = global().get(d) else {
+        let bytes = snapshot_bytes(d)?;
+        return std::fs::write(&path, bytes).map_err(|e| {
+            GpumemError::new_err(format!("snapshot: cannot write {}: {e}", path.display()))
+        });
+    };
+    let alloc = slot.alloc.clone();
+    py.detach(move || write_snapshot(&alloc, &path))
+        .map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))
+}
+
+/// Records the allocation history of the PyTorch allocators: `entries` events (0: none),
+/// with a backtrace at each allocation when `backtraces`. Returns None when done (or already
+/// so), or a warning when asked to stop a history that cannot stop; raises when the
+/// allocators already exist with other settings.
+#[pyfunction]
+fn torch_record_memory_history(entries: usize, backtraces: bool) -> PyResult<Option<String>> {
+    match global().record_history(HistoryRequest {
+        entries,
+        backtraces,
+    }) {
+        Ok(()) => Ok(None),
+        Err(e) if e.turning_off => Ok(Some(e.message)),
+        Err(e) => Err(GpumemError::new_err(e.message)),
+    }
+}
+
+/// The history settings the PyTorch allocators have (or will have): (entries, backtraces).
+#[pyfunction]
+fn torch_history_settings() -> (usize, bool) {
+    let c = global().effective_config();
+    (c.history, c.backtraces)
+}
+
+/// The leak report of `device` as a dict (see `Allocator.leak_report`).
+#[pyfunction]
+fn torch_leak_report(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, PyAny>> {
+    let d = device(device_index)?;
+    let r = match global().get(d) {
+        Some(slot) => leaks_of(&slot.alloc, None),
+        None => {
+            let c = global().effective_config();
+            LeakReport::from_allocations(c.leak_check, c.leak_check && c.backtraces, Vec::new())
+        }
+    };
+    leak_report_dict(py, &r)
+}
+
+/// The leak check at exit: when GPUMEM_LEAK_CHECK=1, prints to standard error the report of
+/// every allocator that checks for leaks: PyTorch's, one per device, and each
+/// gpumem.Allocator still alive. Returns the live allocations reported.
+#[pyfunction]
+fn leak_check_at_exit_native(py: Python<'_>) -> usize {
+    py.detach(leak_check_at_exit)
 }
 
 /// Releases the cached memory of every device; returns the bytes released.
@@ -228,8 +299,13 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torch_reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torch_memory_summary, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_memory_stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(torch_snapshot, m)?)?;
-    m.add_function(wrap_pyfunction!(torch_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_dump_snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_record_memory_history, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_history_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_leak_report, m)?)?;
+    m.add_function(wrap_pyfunction!(leak_check_at_exit_native, m)?)?;
     m.add_function(wrap_pyfunction!(torch_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(torch_set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(torch_error_counts, m)?)?;
