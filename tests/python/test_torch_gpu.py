@@ -94,28 +94,39 @@ print(json.dumps({
 
 
 RECORD_STREAM = """
+# Both streams are created streams: the legacy default stream would synchronise with them
+# implicitly and hide the race this test is about.
+main = torch.cuda.Stream()
 side = torch.cuda.Stream()
-main = torch.cuda.current_stream()
 n = 16 * 2**20
-x = torch.empty(n, device="cuda")
-x_ptr = x.data_ptr()
-side.wait_stream(main)
-with torch.cuda.stream(side):
-    torch.cuda._sleep(1_000_000_000)   # ~0.5 s: the side stream is busy
-    x.fill_(1.0)                       # x is used on the side stream after that
-if RECORD:
-    x.record_stream(side)
-del x                                  # freed on the main stream while the side still needs it
-y = torch.empty(n, device="cuda")      # same size, main stream: a candidate for x's block
-y.fill_(2.0)                           # runs at once on the main stream
+with torch.cuda.stream(main):
+    x = torch.empty(n, device="cuda")
+    x_ptr = x.data_ptr()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)   # ~1 s: the side stream is busy
+        x.fill_(1.0)                       # x is used on the side stream after that
+    side_busy = not side.query()
+    if RECORD:
+        x.record_stream(side)
+    before = gpumem.torch.memory_stats()["active_bytes.all.current"]
+    del x                                  # freed on main while the side still needs it
+    pending = gpumem.torch.memory_stats()["active_bytes.all.current"]
+    y = torch.empty(n, device="cuda")      # same size, main stream: a candidate for x's block
+    y.fill_(2.0)                           # runs at once on the main stream
 torch.cuda.synchronize()
-print(json.dumps({"same_block": y.data_ptr() == x_ptr, "y_intact": bool((y == 2.0).all().item())}))
+print(json.dumps({"same_block": y.data_ptr() == x_ptr, "y_intact": bool((y == 2.0).all().item()),
+                  "side_busy": side_busy, "active_before": before, "active_after_del": pending,
+                  "errors": gpumem.torch.error_counts()}))
 """
 
 
 def test_record_stream_is_honoured():
     r = run_python(PRELUDE + "RECORD = True\n" + RECORD_STREAM)
-    assert not r["same_block"], "x's block was handed out while the side stream still used it"
+    assert r["side_busy"], r
+    # x stays active (pending) after its free, until the side stream's event completes.
+    assert r["active_after_del"] == r["active_before"], r
+    assert not r["same_block"], ("x's block was handed out while the side stream still used it", r)
     assert r["y_intact"], "y was overwritten by the side stream's late write to x"
 
 
@@ -123,8 +134,9 @@ def test_record_stream_control_without_the_hint_reuses_the_block():
     # The control: without record_stream the allocator may (and gpumem does) reuse x's block
     # at once, and the side stream's late write lands in y. This shows the test above can fail.
     r = run_python(PRELUDE + "RECORD = False\n" + RECORD_STREAM)
-    assert r["same_block"]
-    assert not r["y_intact"]
+    assert r["side_busy"], r
+    assert r["same_block"], r
+    assert not r["y_intact"], r
 
 
 def test_out_of_memory_is_torch_out_of_memory_error_and_the_process_survives():

@@ -22,7 +22,11 @@ struct Audit {
     ctl: SimControl,
     /// Physical page -> (stream using it, live blocks on it).
     users: HashMap<PhysHandle, (Stream, u32)>,
-    last_user: HashMap<PhysHandle, Stream>,
+    /// Physical page -> (stream that used it last, the call at which it went idle).
+    last_user: HashMap<PhysHandle, (Stream, u64)>,
+    /// Every event recorded so far -> (its stream, the call it was recorded in).
+    events: HashMap<EventHandle, (Stream, u64)>,
+    calls: u64,
     handovers: usize,
 }
 
@@ -40,6 +44,8 @@ impl Audit {
             ctl,
             users: HashMap::new(),
             last_user: HashMap::new(),
+            events: HashMap::new(),
+            calls: 0,
             handovers: 0,
         }
     }
@@ -49,11 +55,19 @@ impl Audit {
         (first..a.ptr + a.size).step_by(PAGE as usize)
     }
 
+    /// Notes the events recorded since the last note, as recorded in the call just made.
+    fn log_events(&mut self) {
+        for (ev, s) in self.ctl.take_recorded() {
+            self.events.insert(ev, (s, self.calls));
+        }
+    }
+
     fn allocate(&mut self, size: u64, stream: Stream) -> Allocation {
-        self.ctl.take_recorded();
+        self.log_events();
         self.ctl.take_waits();
+        self.calls += 1;
         let a = self.alloc.allocate(size, stream).unwrap();
-        let recorded = self.ctl.take_recorded();
+        self.log_events();
         let waits = self.ctl.take_waits();
         let mut seen = Vec::new();
         for va in Self::pages(&a) {
@@ -74,16 +88,22 @@ impl Audit {
                     *n += 1;
                 }
                 _ => {
-                    if let Some(&prev) = self.last_user.get(&h) {
+                    if let Some(&(prev, idle_at)) = self.last_user.get(&h) {
                         if prev != stream {
                             self.handovers += 1;
-                            let ordered = recorded.iter().any(|&(ev, s)| {
-                                s == prev && waits.iter().any(|&(w, e)| w == stream && e == ev)
+                            // The new stream waited for an event of the old one recorded after
+                            // the page went idle there.
+                            let ordered = waits.iter().any(|&(w, e)| {
+                                w == stream
+                                    && self
+                                        .events
+                                        .get(&e)
+                                        .is_some_and(|&(s, at)| s == prev && at > idle_at)
                             });
                             assert!(
                                 ordered,
                                 "page moved from stream {prev:#x} to {stream:#x} with no event \
-                                 ordering (recorded {recorded:?}, waits {waits:?})"
+                                 ordering (waits {waits:?})"
                             );
                         }
                     }
@@ -108,7 +128,7 @@ impl Audit {
             let e = self.users.get_mut(&h).expect("page was in use");
             e.1 -= 1;
             if e.1 == 0 {
-                self.last_user.insert(h, a.stream);
+                self.last_user.insert(h, (a.stream, self.calls));
             }
         }
     }
@@ -117,14 +137,18 @@ impl Audit {
     fn free(&mut self, a: &Allocation, used_on: Option<Stream>) -> Vec<EventHandle> {
         match used_on {
             None => {
+                self.log_events();
+                self.calls += 1;
                 self.released(a);
                 self.alloc.free_allocation(a).unwrap();
                 Vec::new()
             }
             Some(s) => {
                 self.alloc.record_stream(a.ptr, s).unwrap();
-                self.ctl.take_recorded();
+                self.log_events();
+                self.calls += 1;
                 self.alloc.free_allocation(a).unwrap();
+                // The free's own events (on the stream the block was used on), kept apart.
                 self.ctl
                     .take_recorded()
                     .into_iter()
@@ -138,6 +162,8 @@ impl Audit {
         for e in events {
             self.ctl.complete(e);
         }
+        self.log_events();
+        self.calls += 1;
         self.alloc.process_events().unwrap();
         self.released(a);
     }

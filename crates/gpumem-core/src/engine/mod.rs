@@ -158,6 +158,10 @@ impl Allocator {
             });
         }
         if size > total {
+            // No device could hold it: PyTorch counts this as an out-of-memory too.
+            if let Ok((_, shard)) = self.shard(stream) {
+                shard.state.lock().ooms += 1;
+            }
             return Err(AllocError::InvalidSize {
                 size,
                 reason: format!(

@@ -61,7 +61,13 @@ struct Local {
     /// Pages this stream uses now, and their peak.
     busy: u64,
     peak_busy: u64,
+    /// Events recorded on this stream by recent slow paths, with the pool epoch of each: a
+    /// page that went idle before one that has completed can be unmapped without waiting.
+    events: std::collections::VecDeque<(u64, crate::backend::EventHandle)>,
 }
+
+/// Recent events kept per stream.
+const EPOCH_EVENTS: usize = 4;
 
 struct ShardPages {
     stream: Stream,
@@ -153,6 +159,7 @@ impl PagePool {
                 stamp: Vec::new(),
                 busy: 0,
                 peak_busy: 0,
+                events: std::collections::VecDeque::new(),
             }),
         });
         p.shards.push(sh.clone());
@@ -216,7 +223,7 @@ impl PagePool {
     /// Finds and maps physical pages for `need` (virtual pages of shard `me`).
     fn claim_slow(&self, me: u32, need: &[u32], dev: &Device) -> Result<(), BackendError> {
         let mut p = self.inner.lock();
-        self.epoch.fetch_add(1, Ordering::Relaxed);
+        let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         let shards = p.shards.clone();
         let mut all = Self::lock_all(&shards);
         let mut d = dev.lock();
@@ -236,7 +243,8 @@ impl PagePool {
             .max(own)
             .max(p.peak_seen);
         let budget = ((1.0 + self.slack) * peak as f64).ceil() as u64;
-        let mut others: Vec<u32> = Vec::new();
+        // Streams whose idle pages are taken, with the latest epoch one of them went idle.
+        let mut others: Vec<(u32, u64)> = Vec::new();
         // 1. Virtual pages whose page idles in another stream's list: take it over.
         // 2. The rest get a page: created (within the budget), or the oldest idle one.
         let mut picked: Vec<(u32, u32)> = Vec::new(); // (virtual page, slot)
@@ -297,7 +305,12 @@ impl PagePool {
         // Every taken page changes owner; the previous owner's work must come first.
         for &(s, prev) in &taken {
             if prev != me {
-                others.push(prev);
+                let idle_since = all.guards[prev as usize]
+                    .stamp
+                    .get(s as usize)
+                    .copied()
+                    .unwrap_or(u64::MAX);
+                others.push((prev, idle_since));
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
@@ -313,9 +326,33 @@ impl PagePool {
             .map(|&(v, _)| v)
             .collect();
         if !stale.is_empty() {
-            let ev = d.event_record(p.shards[m].stream)?;
-            d.event_synchronize(ev)?;
-            d.event_destroy(ev);
+            // The stream's work before the pages went idle must be done. An event recorded by
+            // an earlier slow path after that usually has completed: then nothing waits.
+            let idle_since = stale
+                .iter()
+                .map(|&v| {
+                    let old = all.guards[m].map[v as usize] as usize;
+                    all.guards[m].stamp.get(old).copied().unwrap_or(u64::MAX)
+                })
+                .max()
+                .unwrap_or(u64::MAX);
+            let covering = all.guards[m]
+                .events
+                .iter()
+                .find(|&&(e, _)| idle_since != u64::MAX && e > idle_since)
+                .map(|&(_, ev)| ev);
+            match covering {
+                Some(ev) => {
+                    if !d.event_query(ev)? {
+                        d.event_synchronize(ev)?;
+                    }
+                }
+                None => {
+                    let ev = d.event_record(p.shards[m].stream)?;
+                    d.event_synchronize(ev)?;
+                    d.event_destroy(ev);
+                }
+            }
             let mut sorted = stale.clone();
             sorted.sort_unstable();
             for run in runs(&sorted) {
@@ -345,13 +382,42 @@ impl PagePool {
         for run in runs(&mapped) {
             d.set_access(base + run.0 as u64 * self.page, run.1 as u64 * self.page)?;
         }
+        // This stream waits (on the device) for the other streams' work up to when their
+        // pages went idle: an event they recorded after that if there is one (waiting for
+        // their later work, such as the next prefetch, would serialise the streams), else a
+        // fresh one.
         others.sort_unstable();
-        others.dedup();
         let stream = p.shards[m].stream;
-        for &o in &others {
-            let ev = d.event_record(p.shards[o as usize].stream)?;
-            d.stream_wait_event(stream, ev)?;
-            d.event_destroy(ev);
+        let mut i = 0;
+        while i < others.len() {
+            let o = others[i].0;
+            let mut idle_since = 0;
+            while i < others.len() && others[i].0 == o {
+                idle_since = idle_since.max(others[i].1);
+                i += 1;
+            }
+            let covering = all.guards[o as usize]
+                .events
+                .iter()
+                .find(|&&(e, _)| idle_since != u64::MAX && e > idle_since)
+                .map(|&(_, ev)| ev);
+            match covering {
+                Some(ev) => d.stream_wait_event(stream, ev)?,
+                None => {
+                    let ev = d.event_record(p.shards[o as usize].stream)?;
+                    d.stream_wait_event(stream, ev)?;
+                    d.event_destroy(ev);
+                }
+            }
+        }
+        // Mark this point of the stream's work for later remaps (see above).
+        let ev = d.event_record(stream)?;
+        let events = &mut all.guards[m].events;
+        events.push_back((epoch, ev));
+        if events.len() > EPOCH_EVENTS {
+            if let Some((_, old)) = events.pop_front() {
+                d.event_destroy(old);
+            }
         }
         Ok(())
     }
