@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bench_ops;
 pub mod config;
 pub mod device;
 pub mod engine;

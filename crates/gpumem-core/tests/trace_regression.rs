@@ -98,3 +98,35 @@ fn prefetch_mlp() {
     let (n, e, f) = TRACES[4];
     check_trace(n, e, f);
 }
+
+/// Traces of other kinds recorded on an H200 with scripts/record_trace.py (an encoder-decoder
+/// with random lengths, activation checkpointing, a small MLP, and the bundled two-stream GPT
+/// with random lengths): not used to tune anything, they check that the bound holds beyond the
+/// five anchor traces, and that the native simulation matches there too.
+#[test]
+fn other_kinds_of_workload() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
+    for (file, bound) in [
+        ("validation/encdec.pickle.gz", 1.02),
+        ("validation/checkpointed.pickle.gz", 1.02),
+        ("gpt_varlen.pickle.gz", 1.02),
+        // 393 MiB live: two-megabyte pages weigh more in so small a workload.
+        ("validation/mlp.pickle.gz", 1.02),
+    ] {
+        let t = trace::load(&root.join(file), 0, None).unwrap();
+        let opts = ReplayOptions::default();
+        let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+        assert!(
+            s.ratio <= bound,
+            "{file}: stitched ratio {:.4} > {bound}",
+            s.ratio
+        );
+        let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
+        let f = n.fidelity.expect("recorded under the native allocator");
+        assert!(
+            f.segments_match && f.peak_held_error == 0.0,
+            "{file}: {f:?}"
+        );
+        assert!(s.ratio < n.ratio, "{file}: stitched does not beat native");
+    }
+}

@@ -9,7 +9,7 @@ use gpumem_core::backend::{EventHandle, PhysHandle};
 use gpumem_core::policy::PolicyKind;
 use gpumem_core::trace::{Event, Kind, Trace};
 use gpumem_core::{AllocError, Config};
-use gpumem_cuda::bench::ops::Mt19937_64;
+use gpumem_core::bench_ops::Mt19937_64;
 use gpumem_cuda::replay::GpuReplay;
 use gpumem_cuda::{device_count, open_backend, CudaAllocator, DeviceBuffer};
 use std::sync::{Arc, Mutex, MutexGuard};

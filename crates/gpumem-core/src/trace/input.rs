@@ -29,6 +29,8 @@ pub struct Input {
     name: String,
     compressed: Option<Arc<AtomicU64>>,
     progress: Option<Progress>,
+    /// Bytes of the content once decompressed, when known (sizes buffers up front).
+    pub size_hint: Option<u64>,
 }
 
 impl Input {
@@ -115,6 +117,7 @@ impl Input {
             name: name.to_string(),
             compressed: None,
             progress,
+            size_hint: None,
         }
     }
 

@@ -185,13 +185,39 @@ pub fn load(
     progress: Option<input::Progress>,
 ) -> Result<Trace, TraceError> {
     let name = path.display().to_string();
-    let file = std::fs::File::open(path).map_err(|source| TraceError::Io {
+    let io = |source| TraceError::Io {
         path: name.clone(),
         source,
-    })?;
-    let mut t = read(Box::new(file), &name, device, progress)?;
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let hint = decompressed_size(&file).map_err(io)?;
+    let mut t = read_sized(Box::new(file), &name, device, progress, hint)?;
     t.meta.source = name;
     Ok(t)
+}
+
+/// The size of the file's content once decompressed: a gzip file says it (modulo 4 GiB) in
+/// its last four bytes. Used to size the event list once instead of growing it.
+fn decompressed_size(file: &std::fs::File) -> std::io::Result<Option<u64>> {
+    use std::io::{Seek, SeekFrom};
+    let len = file.metadata()?.len();
+    let mut f = file;
+    let mut magic = [0u8; 2];
+    if len < 18 || f.read_exact(&mut magic).is_err() {
+        f.seek(SeekFrom::Start(0))?;
+        return Ok(Some(len));
+    }
+    let size = if magic == [0x1f, 0x8b] {
+        let mut tail = [0u8; 4];
+        f.seek(SeekFrom::End(-4))?;
+        f.read_exact(&mut tail)?;
+        // Below 4 GiB exactly; above, a lower bound is still a fine first capacity.
+        Some(u32::from_le_bytes(tail) as u64)
+    } else {
+        Some(len)
+    };
+    f.seek(SeekFrom::Start(0))?;
+    Ok(size)
 }
 
 /// Reads a trace from any reader (gzip detected by its magic number).
@@ -201,7 +227,19 @@ pub fn read(
     device: u32,
     progress: Option<input::Progress>,
 ) -> Result<Trace, TraceError> {
+    read_sized(src, name, device, progress, None)
+}
+
+/// [`read`], knowing (roughly) how many bytes the content has once decompressed.
+fn read_sized(
+    src: Box<dyn Read + Send>,
+    name: &str,
+    device: u32,
+    progress: Option<input::Progress>,
+    size_hint: Option<u64>,
+) -> Result<Trace, TraceError> {
     let mut inp = input::Input::open(src, name, progress)?;
+    inp.size_hint = size_hint;
     let head = inp.peek(32)?;
     let fmt = sniff(&head).ok_or_else(|| {
         TraceError::UnknownFormat(format!(

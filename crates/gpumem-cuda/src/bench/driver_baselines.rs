@@ -3,12 +3,12 @@
 //! memory pool, its release threshold raised to the maximum so that the pool keeps its memory,
 //! as the anchor did).
 
-use super::ops::Op;
 use super::timed_threads;
 use crate::driver::{self, bind, check_named, cu_stream, describe};
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 use gpumem_core::backend::Stream;
+use gpumem_core::bench_ops::Op;
 use gpumem_core::BackendError;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

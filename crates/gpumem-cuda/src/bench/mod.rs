@@ -11,16 +11,15 @@
 //! allocator's own: pointers go to a preallocated slot table, errors end the run.
 
 mod driver_baselines;
-pub mod ops;
 pub mod report;
 
 use crate::backend::CudaBackend;
 use driver_baselines::DriverBaselines;
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig};
 use gpumem_core::backend::{Backend, Stream};
+use gpumem_core::bench_ops::{make_ops, Op, OpParams};
 use gpumem_core::policy::PolicyKind;
 use gpumem_core::{AllocError, Allocation, Allocator, Config};
-use ops::{make_ops, Op, OpParams};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};

@@ -204,7 +204,7 @@ mod tests {
     /// with `g++ -O2`, so this check holds where there is no compiler.
     #[test]
     fn sequences_match_the_committed_cpp_fixture() {
-        let fixture = include_str!("../../tests/fixtures/opgen.txt");
+        let fixture = include_str!("../tests/fixtures/opgen.txt");
         let mut checked = 0;
         for line in fixture
             .lines()

@@ -1,0 +1,187 @@
+//! Bad input gets a typed error with a clear message and loses nothing: zero and absurd sizes,
+//! foreign pointers, double frees, and malformed, truncated or foreign trace files.
+
+use gpumem_core::backend::sim::{SimBackend, SimConfig};
+use gpumem_core::trace;
+use gpumem_core::{AllocError, Allocator, Config, PolicyKind, TraceError};
+use std::io::{Read, Write};
+
+fn allocator(policy: PolicyKind) -> Allocator {
+    let (sim, _) = SimBackend::new(SimConfig::default());
+    Allocator::new(
+        Box::new(sim),
+        Config::parse(&format!("policy:{}", policy.name())).unwrap(),
+    )
+    .unwrap()
+}
+
+#[test]
+fn sizes_zero_and_absurd_are_refused_with_reasons() {
+    for p in PolicyKind::ALL {
+        let a = allocator(p);
+        match a.allocate(0, 0) {
+            Err(AllocError::InvalidSize { size: 0, reason }) => assert!(reason.contains("zero")),
+            other => panic!("{p:?}: size 0 gave {other:?}"),
+        }
+        match a.allocate(1 << 50, 0) {
+            Err(e @ AllocError::InvalidSize { .. }) => {
+                assert!(
+                    e.to_string().contains("larger than the whole device"),
+                    "{e}"
+                )
+            }
+            other => panic!("{p:?}: 1 PiB gave {other:?}"),
+        }
+        // Nothing was lost: the allocator still works and holds nothing for the failures.
+        let ok = a.allocate(4096, 0).unwrap();
+        a.free(ok.ptr).unwrap();
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+        assert_eq!(
+            a.memory_stats().num_ooms,
+            1,
+            "an impossible size counts as an OOM"
+        );
+    }
+}
+
+#[test]
+fn foreign_pointers_and_double_frees_are_reported_not_trusted() {
+    for p in PolicyKind::ALL {
+        let a = allocator(p);
+        let x = a.allocate(3 << 20, 0).unwrap();
+        let y = a.allocate(3 << 20, 0).unwrap();
+        // A pointer gpumem never handed out, and one inside a live block.
+        for bad in [0xdead_beef_u64, x.ptr + 512] {
+            match a.free(bad) {
+                Err(e @ AllocError::UnknownPointer { .. }) => {
+                    assert!(e
+                        .to_string()
+                        .contains("not allocated by this gpumem allocator"))
+                }
+                other => panic!("{p:?}: free({bad:#x}) gave {other:?}"),
+            }
+            assert!(a.record_stream(bad, 7).is_err());
+        }
+        a.free(x.ptr).unwrap();
+        match a.free(x.ptr) {
+            Err(AllocError::DoubleFree { ptr }) | Err(AllocError::UnknownPointer { ptr }) => {
+                assert_eq!(ptr, x.ptr)
+            }
+            other => panic!("{p:?}: double free gave {other:?}"),
+        }
+        // The other block is untouched and still freeable; the statistics stayed exact.
+        assert_eq!(a.memory_stats().allocation.all.current, 1);
+        a.free_allocation(&y).unwrap();
+        assert!(
+            a.free_allocation(&y).is_err(),
+            "{p:?}: second free of an Allocation"
+        );
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+        a.check().unwrap();
+    }
+}
+
+#[test]
+fn double_free_is_named_as_such() {
+    let a = allocator(PolicyKind::Native);
+    let x = a.allocate(1 << 20, 0).unwrap();
+    let _keep = a.allocate(1 << 20, 0).unwrap();
+    a.free(x.ptr).unwrap();
+    let e = a.free(x.ptr).unwrap_err();
+    assert!(matches!(e, AllocError::DoubleFree { .. }), "{e:?}");
+    assert!(e.to_string().contains("double free"));
+}
+
+fn gz(bytes: &[u8]) -> Vec<u8> {
+    let mut w = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    w.write_all(bytes).unwrap();
+    w.finish().unwrap()
+}
+
+fn read(bytes: Vec<u8>) -> Result<trace::Trace, TraceError> {
+    trace::read(Box::new(std::io::Cursor::new(bytes)), "test", 0, None)
+}
+
+fn bundled_pickle() -> Vec<u8> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../traces/validation/mlp.pickle.gz"
+    );
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap())
+        .read_to_end(&mut raw)
+        .unwrap();
+    raw
+}
+
+#[test]
+fn truncated_snapshots_are_errors_not_panics() {
+    let raw = bundled_pickle();
+    let whole = read(raw.clone()).unwrap();
+    assert!(whole.events.len() > 1000);
+    for cut in [
+        1,
+        2,
+        10,
+        raw.len() / 3,
+        raw.len() / 2,
+        raw.len() - 2,
+        raw.len() - 1,
+    ] {
+        for bytes in [raw[..cut].to_vec(), gz(&raw[..cut])] {
+            match read(bytes) {
+                Err(TraceError::Truncated(m)) => assert!(m.contains("ends"), "{m}"),
+                Err(TraceError::Malformed { .. }) | Err(TraceError::UnknownFormat(_)) => {}
+                Ok(t) => panic!(
+                    "cut at {cut}: read {} events from a truncated file",
+                    t.events.len()
+                ),
+                Err(e) => panic!("cut at {cut}: unexpected error {e}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn corrupted_snapshots_are_errors_not_panics() {
+    let raw = bundled_pickle();
+    // Flip bytes here and there: every outcome must be an error or a trace, never a panic.
+    let mut x = 0x1234_5678_u64;
+    for _ in 0..300 {
+        let mut bad = raw.clone();
+        for _ in 0..4 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let i = (x as usize) % bad.len();
+            bad[i] ^= (x >> 32) as u8 | 1;
+        }
+        let _ = read(bad);
+    }
+    // A damaged gzip stream is named.
+    let mut z = gz(&raw);
+    let n = z.len();
+    z[n / 2] ^= 0xff;
+    z[n / 2 + 1] ^= 0xff;
+    assert!(read(z).is_err());
+}
+
+#[test]
+fn foreign_files_are_named() {
+    for bytes in [
+        b"hello world\n".to_vec(),
+        vec![0u8; 64],
+        gz(b"{\"json\": true}"),
+    ] {
+        match read(bytes) {
+            Err(e @ TraceError::UnknownFormat(_)) => {
+                assert!(e.to_string().contains("not a PyTorch snapshot"), "{e}")
+            }
+            other => panic!("gave {other:?}"),
+        }
+    }
+    let e = trace::load(std::path::Path::new("/no/such/trace.pickle.gz"), 0, None).unwrap_err();
+    assert!(
+        matches!(e, TraceError::Io { .. }) && e.to_string().contains("/no/such/trace.pickle.gz")
+    );
+}
