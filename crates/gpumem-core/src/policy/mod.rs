@@ -4,6 +4,34 @@
 //! keeps blocks of different streams apart). Policies that share physical memory between
 //! streams (stitched) share it through an object their factory hands to every shard.
 
+/// The [`Policy`] methods that a policy built on a [`blocks::BlockSet`] (in a field `set`)
+/// answers straight from the set: written once so the block policies cannot drift apart.
+macro_rules! block_set_queries {
+    () => {
+        fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
+            let id = self.set.allocated_at(addr)?;
+            self.set.free_requested(id);
+            Some(self.set.block(id).size)
+        }
+
+        fn stats(&self) -> &MemoryStats {
+            &self.set.stats
+        }
+
+        fn reset_peaks(&mut self) {
+            self.set.stats.reset_peaks();
+        }
+
+        fn is_allocated(&self, addr: DevPtr) -> bool {
+            self.set.allocated_at(addr).is_some()
+        }
+
+        fn is_free_block(&self, addr: DevPtr) -> bool {
+            self.set.is_free_start(addr)
+        }
+    };
+}
+
 pub mod blocks;
 pub mod buddy;
 pub mod expandable;

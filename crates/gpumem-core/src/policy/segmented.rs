@@ -86,6 +86,8 @@ impl Segmented {
 }
 
 impl Policy for Segmented {
+    block_set_queries!();
+
     fn name(&self) -> &'static str {
         self.name
     }
@@ -123,12 +125,6 @@ impl Policy for Segmented {
             size: b.size,
             handle: id,
         })
-    }
-
-    fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
-        let id = self.set.allocated_at(addr)?;
-        self.set.free_requested(id);
-        Some(self.set.block(id).size)
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
@@ -174,28 +170,12 @@ impl Policy for Segmented {
         Ok(freed)
     }
 
-    fn stats(&self) -> &MemoryStats {
-        &self.set.stats
-    }
-
-    fn reset_peaks(&mut self) {
-        self.set.stats.reset_peaks();
-    }
-
     fn largest_free(&self) -> u64 {
         self.set.largest_free()
     }
 
     fn segments(&self) -> Vec<SegmentInfo> {
         self.set.segments_info(self.stream)
-    }
-
-    fn is_allocated(&self, addr: DevPtr) -> bool {
-        self.set.allocated_at(addr).is_some()
-    }
-
-    fn is_free_block(&self, addr: DevPtr) -> bool {
-        self.set.is_free_start(addr)
     }
 
     fn check(&self) -> Result<(), String> {

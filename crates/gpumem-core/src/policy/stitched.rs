@@ -798,6 +798,8 @@ impl Stitched {
 }
 
 impl Policy for Stitched {
+    block_set_queries!();
+
     fn name(&self) -> &'static str {
         "stitched"
     }
@@ -850,12 +852,6 @@ impl Policy for Stitched {
         })
     }
 
-    fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
-        let id = self.set.allocated_at(addr)?;
-        self.set.free_requested(id);
-        Some(self.set.block(id).size)
-    }
-
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
         if let Some(id) = self.set.pending_at(addr) {
             self.release_block(id);
@@ -886,14 +882,6 @@ impl Policy for Stitched {
         self.pool.trim(dev)
     }
 
-    fn stats(&self) -> &MemoryStats {
-        &self.set.stats
-    }
-
-    fn reset_peaks(&mut self) {
-        self.set.stats.reset_peaks();
-    }
-
     fn largest_free(&self) -> u64 {
         // The virtual top block is not memory; report the largest free block below it.
         self.set
@@ -918,14 +906,6 @@ impl Policy for Stitched {
         }
         segs.retain(|s| s.blocks.iter().any(|b| b.kind != super::BlockKind::Free));
         segs
-    }
-
-    fn is_allocated(&self, addr: DevPtr) -> bool {
-        self.set.allocated_at(addr).is_some()
-    }
-
-    fn is_free_block(&self, addr: DevPtr) -> bool {
-        self.set.is_free_start(addr)
     }
 
     fn check(&self) -> Result<(), String> {
