@@ -298,15 +298,7 @@ impl Allocator {
                 return Ok((i as u32, sh));
             }
         }
-        let double = self
-            .shards
-            .iter()
-            .any(|(_, sh)| sh.state.lock().policy.is_free_block(ptr));
-        Err(if double {
-            AllocError::DoubleFree { ptr }
-        } else {
-            AllocError::UnknownPointer { ptr }
-        })
+        Err(self.not_live(ptr))
     }
 
     /// Frees the block at `ptr` (searching every stream's pool for it).
@@ -354,11 +346,7 @@ impl Allocator {
         };
         if !known {
             drop(st);
-            return Err(if self.is_free_anywhere(ptr) {
-                AllocError::DoubleFree { ptr }
-            } else {
-                AllocError::UnknownPointer { ptr }
-            });
+            return Err(self.not_live(ptr));
         }
         match uses {
             None => {}
@@ -375,10 +363,18 @@ impl Allocator {
         Ok(())
     }
 
-    fn is_free_anywhere(&self, ptr: DevPtr) -> bool {
-        self.shards
+    /// The error for `ptr`, which is no live block: a double free if it starts a cached block
+    /// of any stream, else a pointer gpumem never handed out.
+    fn not_live(&self, ptr: DevPtr) -> AllocError {
+        let double = self
+            .shards
             .iter()
-            .any(|(_, sh)| sh.state.lock().policy.is_free_block(ptr))
+            .any(|(_, sh)| sh.state.lock().policy.is_free_block(ptr));
+        if double {
+            AllocError::DoubleFree { ptr }
+        } else {
+            AllocError::UnknownPointer { ptr }
+        }
     }
 
     /// Marks the block at `ptr` as used on `stream` too: when freed, it is reused only after
