@@ -238,6 +238,14 @@ impl Expandable {
         }
         Ok(un_size)
     }
+
+    /// Frees allocated block `id` used on no other stream (merged at once: the simulation of
+    /// PyTorch has no quick cache); returns its size.
+    fn free_block(&mut self, id: u32) -> u64 {
+        let size = self.set.block(id).size;
+        self.set.free_now(id);
+        size
+    }
 }
 
 impl Policy for Expandable {
@@ -277,15 +285,6 @@ impl Policy for Expandable {
             self.set.release(id);
         }
         Ok(())
-    }
-
-    fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        let Some(id) = self.set.allocated_at(addr) else {
-            return Ok(None);
-        };
-        let size = self.set.block(id).size;
-        self.set.free_now(id);
-        Ok(Some(size))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {

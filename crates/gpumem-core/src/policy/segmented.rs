@@ -134,22 +134,6 @@ impl Policy for Segmented {
         Ok(())
     }
 
-    fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        Ok(self.set.allocated_at(addr).map(|id| self.free_block(id)))
-    }
-
-    fn free_handle(
-        &mut self,
-        handle: u32,
-        addr: DevPtr,
-        _dev: &Device,
-    ) -> Result<Option<u64>, BackendError> {
-        Ok(self
-            .set
-            .allocated_handle(handle, addr)
-            .map(|id| self.free_block(id)))
-    }
-
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
         self.set.flush_cache();
         let mut whole = Vec::new();

@@ -285,7 +285,6 @@ impl PagePool {
             let s = match slot {
                 Some(s) => s,
                 None => {
-                    // The least recently idled page of any stream.
                     // The least recently idled page of any stream. (Replays showed that
                     // predicting reuse from each virtual page's past idle gaps does no better.)
                     let (_, i, s) = (0..all.guards.len())
@@ -809,42 +808,40 @@ impl Policy for Stitched {
             self.init(dev)?;
         }
         let rounded = round_size(size);
-        let cached = self.set.find_cached(rounded, Pool::Large);
-        let id = match cached {
-            Some(id) => id,
-            None => {
-                let mut found = self.set.best_fit(Pool::Large, rounded);
-                let at_frontier = found.is_some_and(|id| self.set.block(id).next == NIL);
-                if at_frontier && self.set.has_cached() {
-                    // Before growing into fresh address space, merge the cached blocks back:
-                    // together they may fit.
-                    for (a, s) in self.set.flush_cache() {
-                        self.untouch_pages(a, s);
-                    }
-                    found = self.set.best_fit(Pool::Large, rounded);
-                }
-                found.ok_or_else(|| {
-                    BackendError::oom(
-                        DriverCall::AddressReserve,
-                        format!(
-                            "the stream's virtual range of {} bytes has no free run of {rounded} bytes",
-                            self.va_bytes
-                        ),
-                    )
-                })?
-            }
-        };
-        let addr = self.set.block(id).addr;
-        if cached.is_none() {
-            self.touch_pages(addr, rounded, dev)?;
+        let pool = Pool::of(rounded);
+        // Same size as a block in the quick cache: its pages are still counted as touched.
+        if let Some(id) = self.set.find_cached(rounded, Pool::Large) {
+            let id = self.set.take_cached(id, size, pool);
+            let b = self.set.block(id);
+            return Ok(Placement {
+                addr: b.addr,
+                size: b.size,
+                handle: id,
+            });
         }
-        let id = if cached.is_some() {
-            self.set.take_cached(id, size, Pool::of(rounded))
-        } else {
-            let split = self.set.block(id).size - rounded >= MIN_BLOCK;
-            self.set
-                .allocate(id, rounded, size, Pool::of(rounded), split)
-        };
+        let mut found = self.set.best_fit(Pool::Large, rounded);
+        let at_frontier = found.is_some_and(|id| self.set.block(id).next == NIL);
+        if at_frontier && self.set.has_cached() {
+            // Before growing into fresh address space, merge the cached blocks back:
+            // together they may fit.
+            for (a, s) in self.set.flush_cache() {
+                self.untouch_pages(a, s);
+            }
+            found = self.set.best_fit(Pool::Large, rounded);
+        }
+        let id = found.ok_or_else(|| {
+            BackendError::oom(
+                DriverCall::AddressReserve,
+                format!(
+                    "the stream's virtual range of {} bytes has no free run of {rounded} bytes",
+                    self.va_bytes
+                ),
+            )
+        })?;
+        let addr = self.set.block(id).addr;
+        self.touch_pages(addr, rounded, dev)?;
+        let split = self.set.block(id).size - rounded >= MIN_BLOCK;
+        let id = self.set.allocate(id, rounded, size, pool, split);
         Ok(Placement {
             addr,
             size: self.set.block(id).size,
@@ -857,22 +854,6 @@ impl Policy for Stitched {
             self.release_block(id);
         }
         Ok(())
-    }
-
-    fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        Ok(self.set.allocated_at(addr).map(|id| self.free_block(id)))
-    }
-
-    fn free_handle(
-        &mut self,
-        handle: u32,
-        addr: DevPtr,
-        _dev: &Device,
-    ) -> Result<Option<u64>, BackendError> {
-        Ok(self
-            .set
-            .allocated_handle(handle, addr)
-            .map(|id| self.free_block(id)))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
