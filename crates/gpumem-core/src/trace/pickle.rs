@@ -81,39 +81,52 @@ struct Vm<'a> {
     next_memo: u32,
     /// Trace entries converted but not yet appended to their list.
     scratch: Vec<Option<Event>>,
-    strings: Vec<Box<str>>,
-    tags: Vec<Tag>,
-    /// String -> its index in `strings`: PyTorch writes some values (such as "N/A") afresh in
-    /// every entry; one copy each is enough.
-    interned: rustc_hash::FxHashMap<Box<[u8]>, u32>,
+    strs: Strings,
     events: Vec<Vec<Event>>,
     skipped: u64,
+}
+
+/// Every distinct string read, once, with its tag; `V::Str` holds an index into it.
+#[derive(Default)]
+struct Strings {
+    text: Vec<Box<str>>,
+    tags: Vec<Tag>,
+    /// Bytes -> index: PyTorch writes some values (such as "N/A") afresh in every entry; one
+    /// copy each is enough.
+    index: rustc_hash::FxHashMap<Box<[u8]>, u32>,
+}
+
+impl Strings {
+    /// The index of the string `bytes`, added if new; `None` if it is not UTF-8.
+    fn intern(&mut self, bytes: &[u8]) -> Option<u32> {
+        if let Some(&i) = self.index.get(bytes) {
+            return Some(i);
+        }
+        let s = std::str::from_utf8(bytes).ok()?;
+        self.tags.push(tag_of(s));
+        self.text.push(s.into());
+        let i = (self.text.len() - 1) as u32;
+        self.index.insert(bytes.into(), i);
+        Some(i)
+    }
 }
 
 const NO_VALUE: u32 = u32::MAX;
 /// Marks a memo entry that is a string id (most are), which then needs no `memo_vals` slot.
 const STR_BIT: u32 = 1 << 31;
 
-/// The trace entry described by `pairs` (key, value, key, value, ...), if it is one:
-/// `Some(None)` for an entry whose action the replay ignores.
-fn entry_of(tags: &[Tag], pairs: &[V]) -> Option<Option<Event>> {
-    let tag = |v: &V| match v {
-        V::Str(i) => tags[*i as usize],
-        _ => Tag::Other,
-    };
+/// The trace entry with these fields, given as (key, integer value, value's tag), if it is
+/// one (it has an `action` key): `Some(None)` for an entry whose action the replay ignores.
+#[inline]
+fn event_from(fields: impl Iterator<Item = (Tag, i64, Tag)>) -> Option<Option<Event>> {
     let mut kind = None;
     let mut is_entry = false;
     let (mut addr, mut size, mut stream, mut time) = (0i64, 0i64, 0i64, 0i64);
-    for kv in pairs.chunks_exact(2) {
-        let int = match &kv[1] {
-            V::Int(i) => *i,
-            V::Bool(b) => *b as i64,
-            _ => 0,
-        };
-        match tag(&kv[0]) {
+    for (key, int, val) in fields {
+        match key {
             Tag::Action => {
                 is_entry = true;
-                if let Tag::Kind(k) = tag(&kv[1]) {
+                if let Tag::Kind(k) = val {
                     kind = Some(k);
                 }
             }
@@ -134,6 +147,31 @@ fn entry_of(tags: &[Tag], pairs: &[V]) -> Option<Option<Event>> {
         size: size.max(0) as u64,
         time_us: time.max(0) as u64,
     }))
+}
+
+/// The trace entry described by `pairs` (key, value, key, value, ...), if it is one.
+fn entry_of(tags: &[Tag], pairs: &[V]) -> Option<Option<Event>> {
+    let tag = |v: &V| match v {
+        V::Str(i) => tags[*i as usize],
+        _ => Tag::Other,
+    };
+    event_from(pairs.chunks_exact(2).map(|kv| {
+        let int = match &kv[1] {
+            V::Int(i) => *i,
+            V::Bool(b) => *b as i64,
+            _ => 0,
+        };
+        (tag(&kv[0]), int, tag(&kv[1]))
+    }))
+}
+
+/// A LONG1/LONG4 operand of 1 to 8 bytes: little-endian two's complement.
+#[inline]
+fn long_le(b: &[u8]) -> i64 {
+    let neg = b[b.len() - 1] & 0x80 != 0;
+    let mut x = if neg { [0xffu8; 8] } else { [0u8; 8] };
+    x[..b.len()].copy_from_slice(b);
+    i64::from_le_bytes(x)
 }
 
 fn malformed(offset: u64, what: impl Into<String>) -> TraceError {
@@ -171,16 +209,19 @@ impl<'a> Vm<'a> {
     }
 
     fn string(&mut self, bytes: &[u8]) -> Result<V, TraceError> {
-        if let Some(&i) = self.interned.get(bytes) {
-            return Ok(V::Str(i));
+        self.strs
+            .intern(bytes)
+            .map(V::Str)
+            .ok_or_else(|| malformed(self.inp.offset(), "string is not UTF-8"))
+    }
+
+    /// The value memoized at `i`: containers (not kept) and unknown indexes read as Shared.
+    #[inline]
+    fn memo_get(&self, i: usize) -> V {
+        match self.memo.get(i) {
+            Some(&k) if k != NO_VALUE => self.memo_value(k),
+            _ => V::Shared,
         }
-        let s = std::str::from_utf8(bytes)
-            .map_err(|_| malformed(self.inp.offset(), "string is not UTF-8"))?;
-        self.tags.push(tag_of(s));
-        self.strings.push(s.into());
-        let i = (self.strings.len() - 1) as u32;
-        self.interned.insert(bytes.into(), i);
-        Ok(V::Str(i))
     }
 
     /// The value of a memo entry (not NO_VALUE).
@@ -226,7 +267,7 @@ impl<'a> Vm<'a> {
 
     fn tag(&self, v: &V) -> Tag {
         match v {
-            V::Str(i) => self.tags[*i as usize],
+            V::Str(i) => self.strs.tags[*i as usize],
             _ => Tag::Other,
         }
     }
@@ -299,7 +340,7 @@ impl<'a> Vm<'a> {
         match target {
             V::Dict(d) => {
                 if d.is_empty() {
-                    if let Some(ev) = entry_of(&self.tags, pairs) {
+                    if let Some(ev) = entry_of(&self.strs.tags, pairs) {
                         self.scratch.push(ev);
                         *target = V::Entry((self.scratch.len() - 1) as u32);
                         self.stack.truncate(m);
@@ -333,19 +374,12 @@ impl<'a> Vm<'a> {
             b.copy_from_slice(&w[..16]);
             let used = match b[0] {
                 b'h' => {
-                    let v = match self.memo.get(b[1] as usize) {
-                        Some(&k) if k != NO_VALUE => self.memo_value(k),
-                        _ => V::Shared,
-                    };
+                    let v = self.memo_get(b[1] as usize);
                     self.stack.push(v);
                     2
                 }
                 b'j' => {
-                    let i = u32::from_le_bytes([b[1], b[2], b[3], b[4]]) as usize;
-                    let v = match self.memo.get(i) {
-                        Some(&k) if k != NO_VALUE => self.memo_value(k),
-                        _ => V::Shared,
-                    };
+                    let v = self.memo_get(u32::from_le_bytes([b[1], b[2], b[3], b[4]]) as usize);
                     self.stack.push(v);
                     5
                 }
@@ -382,10 +416,7 @@ impl<'a> Vm<'a> {
                 }
                 0x8a if (1..=8).contains(&b[1]) => {
                     let n = b[1] as usize;
-                    let neg = b[1 + n] & 0x80 != 0;
-                    let mut x = if neg { [0xffu8; 8] } else { [0u8; 8] };
-                    x[..n].copy_from_slice(&b[2..2 + n]);
-                    self.stack.push(V::Int(i64::from_le_bytes(x)));
+                    self.stack.push(V::Int(long_le(&b[2..2 + n])));
                     2 + n
                 }
                 b'u' => {
@@ -479,14 +510,8 @@ impl<'a> Vm<'a> {
                         return None;
                     }
                     let b = w.get(at + 2..at + 2 + n)?;
-                    let mut x = if b[n - 1] & 0x80 != 0 {
-                        [0xffu8; 8]
-                    } else {
-                        [0u8; 8]
-                    };
-                    x[..n].copy_from_slice(b);
                     at += 2 + n;
-                    (i64::from_le_bytes(x), None)
+                    (long_le(b), None)
                 }
                 0x88 | 0x89 => {
                     at += 1;
@@ -507,7 +532,7 @@ impl<'a> Vm<'a> {
             match *s {
                 S::Memo(i) => match self.memo.get(i) {
                     Some(&k) if k != NO_VALUE => match self.memo_value(k) {
-                        V::Str(id) => Some(self.tags[id as usize]),
+                        V::Str(id) => Some(self.strs.tags[id as usize]),
                         _ => None,
                     },
                     _ => None,
@@ -517,11 +542,9 @@ impl<'a> Vm<'a> {
         };
         let mut has_action = false;
         for (k, _, v) in &pairs[..n_pairs] {
-            for s in [k, v].into_iter().flatten() {
-                let t = tag_now(s)?;
-                if std::ptr::eq(s, k.as_ref().expect("set")) && t == Tag::Action {
-                    has_action = true;
-                }
+            has_action |= tag_now(k.as_ref().expect("set"))? == Tag::Action;
+            if let Some(v) = v {
+                tag_now(v)?;
             }
         }
         if !has_action {
@@ -545,18 +568,7 @@ impl<'a> Vm<'a> {
                     }
                 }
                 S::New(a, n) => {
-                    let bytes = &w[a..a + n];
-                    let id = match self.interned.get(bytes) {
-                        Some(&id) => id,
-                        None => {
-                            let st = std::str::from_utf8(bytes).expect("checked above");
-                            self.tags.push(tag_of(st));
-                            self.strings.push(st.into());
-                            let id = (self.strings.len() - 1) as u32;
-                            self.interned.insert(bytes.into(), id);
-                            id
-                        }
-                    };
+                    let id = self.strs.intern(&w[a..a + n]).expect("checked above");
                     let m = *next as usize;
                     *next += 1;
                     if memo.len() <= m {
@@ -566,7 +578,7 @@ impl<'a> Vm<'a> {
                     id
                 }
             };
-            self.tags[id as usize]
+            self.strs.tags[id as usize]
         };
         let mut memo = std::mem::take(&mut self.memo);
         if memo.len() <= dict_memo {
@@ -574,36 +586,15 @@ impl<'a> Vm<'a> {
         }
         memo[dict_memo] = NO_VALUE;
         let mut next = self.next_memo;
-        let mut kind = None;
-        let mut is_entry = false;
-        let (mut addr, mut size, mut stream, mut time) = (0i64, 0i64, 0i64, 0i64);
-        for (k, int, v) in &pairs[..n_pairs] {
+        let entry = event_from(pairs[..n_pairs].iter().map(|(k, int, v)| {
             let key = tag_of_s(k.as_ref().expect("set"), &mut memo, &mut next);
             let val = v.as_ref().map(|v| tag_of_s(v, &mut memo, &mut next));
-            match key {
-                Tag::Action => {
-                    is_entry = true;
-                    if let Some(Tag::Kind(k)) = val {
-                        kind = Some(k);
-                    }
-                }
-                Tag::Addr => addr = *int,
-                Tag::Size => size = *int,
-                Tag::Stream => stream = *int,
-                Tag::TimeUs => time = *int,
-                _ => {}
-            }
-        }
+            (key, *int, val.unwrap_or(Tag::Other))
+        }))
+        .expect("an action key, checked above");
         self.memo = memo;
         self.next_memo = next;
-        debug_assert!(is_entry);
-        self.scratch.push(kind.map(|kind| Event {
-            kind,
-            stream: stream as u64,
-            addr: addr as u64,
-            size: size.max(0) as u64,
-            time_us: time.max(0) as u64,
-        }));
+        self.scratch.push(entry);
         self.stack.push(V::Entry((self.scratch.len() - 1) as u32));
         Some(at)
     }
@@ -668,10 +659,7 @@ impl<'a> Vm<'a> {
                     if n == 0 {
                         self.stack.push(V::Int(0));
                     } else if n <= 8 {
-                        let neg = b[n - 1] & 0x80 != 0;
-                        let mut buf = if neg { [0xffu8; 8] } else { [0u8; 8] };
-                        buf[..n].copy_from_slice(b);
-                        self.stack.push(V::Int(i64::from_le_bytes(buf)));
+                        self.stack.push(V::Int(long_le(b)));
                     } else {
                         self.stack.push(V::BigInt);
                     }
@@ -748,10 +736,7 @@ impl<'a> Vm<'a> {
                         let b = self.inp.take(4, "LONG_BINGET")?;
                         u32::from_le_bytes([b[0], b[1], b[2], b[3]])
                     };
-                    let v = match self.memo.get(i as usize) {
-                        Some(&k) if k != NO_VALUE => self.memo_value(k),
-                        _ => V::Shared,
-                    };
+                    let v = self.memo_get(i as usize);
                     self.stack.push(v);
                 }
                 b's' => {
@@ -998,9 +983,7 @@ pub fn read_snapshot_full(inp: &mut Input, device: u32) -> Result<Snapshot, Trac
         memo_vals: Vec::new(),
         next_memo: 0,
         scratch: Vec::new(),
-        strings: Vec::new(),
-        tags: Vec::new(),
-        interned: Default::default(),
+        strs: Strings::default(),
         events: Vec::new(),
         skipped: 0,
     };
@@ -1021,7 +1004,7 @@ pub fn read_snapshot_full(inp: &mut Input, device: u32) -> Result<Snapshot, Trac
             meta.expandable_segments = Some(*b);
         }
         if let Some(V::Str(s)) = vm.dict_get(settings, Tag::AllocConf) {
-            meta.alloc_conf = Some(vm.strings[*s as usize].to_string());
+            meta.alloc_conf = Some(vm.strs.text[*s as usize].to_string());
         }
     }
     let per_device: Vec<Option<u32>> = match vm.dict_get(items, Tag::DeviceTraces) {
@@ -1073,13 +1056,13 @@ impl Vm<'_> {
     fn get<'v>(&self, items: &'v [(V, V)], key: &str) -> Option<&'v V> {
         items
             .iter()
-            .find(|(k, _)| matches!(k, V::Str(i) if &*self.strings[*i as usize] == key))
+            .find(|(k, _)| matches!(k, V::Str(i) if &*self.strs.text[*i as usize] == key))
             .map(|(_, v)| v)
     }
 
     fn str_of<'s>(&'s self, v: &V) -> Option<&'s str> {
         match v {
-            V::Str(i) => Some(&self.strings[*i as usize]),
+            V::Str(i) => Some(&self.strs.text[*i as usize]),
             _ => None,
         }
     }
