@@ -272,7 +272,6 @@ pub fn replay_on(
                         alloc.record_stream(a.ptr, OTHER_STREAM)?;
                         alloc.free_allocation(&a)?;
                         let evs = ctl.take_recorded().into_iter().map(|(h, _)| h).collect();
-                        ctl.take_waits();
                         waiting.insert((e.stream, e.addr), evs);
                     }
                     (None, false) => {

@@ -35,7 +35,7 @@ impl Audit {
         let (sim, ctl) = SimBackend::new(SimConfig {
             total_bytes: total,
             event_mode: EventMode::Manual,
-            audit_mappings: true,
+            audit: true,
             ..SimConfig::default()
         });
         let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();

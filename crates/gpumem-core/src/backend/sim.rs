@@ -40,9 +40,10 @@ pub struct SimConfig {
     /// addresses the real driver returned, so that best fit breaks ties between equal blocks
     /// (by address) as it did on the GPU.
     pub segment_addresses: std::collections::VecDeque<(u64, DevPtr)>,
-    /// Keep a copy of the page mappings that [`SimControl::handle_at`] can query (for tests
-    /// that audit which physical page backs which address).
-    pub audit_mappings: bool,
+    /// Keep what tests audit: a copy of the page mappings, which [`SimControl::handle_at`]
+    /// queries (which physical page backs which address), and the stream waits, which
+    /// [`SimControl::take_waits`] returns.
+    pub audit: bool,
 }
 
 impl Default for SimConfig {
@@ -55,7 +56,7 @@ impl Default for SimConfig {
             page_bytes: DEFAULT_PAGE,
             event_mode: EventMode::Immediate,
             segment_addresses: Default::default(),
-            audit_mappings: false,
+            audit: false,
         }
     }
 }
@@ -91,7 +92,8 @@ impl SimControl {
         std::mem::take(&mut self.events.lock().recorded)
     }
 
-    /// Stream waits (`stream` waits for `event`) since the last call, oldest first.
+    /// Stream waits (`stream` waits for `event`) since the last call, oldest first (kept only
+    /// when the device audits, see [`SimConfig::audit`]).
     pub fn take_waits(&self) -> Vec<(Stream, EventHandle)> {
         std::mem::take(&mut self.events.lock().waits)
     }
@@ -132,9 +134,7 @@ impl SimBackend {
     /// A simulated device and the control handle of its events.
     pub fn new(cfg: SimConfig) -> (Self, SimControl) {
         let events = Arc::new(Mutex::new(EventState::default()));
-        let mirror = cfg
-            .audit_mappings
-            .then(|| Arc::new(Mutex::new(BTreeMap::new())));
+        let mirror = cfg.audit.then(|| Arc::new(Mutex::new(BTreeMap::new())));
         let ctl = SimControl {
             events: events.clone(),
             mode: cfg.event_mode,
@@ -467,7 +467,9 @@ impl Backend for SimBackend {
     ) -> Result<(), BackendError> {
         let mut ev = self.events.lock();
         if ev.done.contains_key(&event.0) {
-            ev.waits.push((stream, event));
+            if self.cfg.audit {
+                ev.waits.push((stream, event));
+            }
             Ok(())
         } else {
             Err(BackendError::new(
