@@ -403,21 +403,18 @@ pub fn snapshot_stats(snap: &Snapshot) -> SnapshotStats {
                 }
             }
             Kind::SegmentAlloc | Kind::SegmentFree | Kind::SegmentMap | Kind::SegmentUnmap => {
-                if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
+                let sign = if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
                     st.num_device_alloc += 1;
+                    1
                 } else {
                     st.num_device_free += 1;
-                }
+                    -1
+                };
                 let pool = seg_pool.get(&i).copied().unwrap_or(if e.size <= 2 << 20 {
                     Pool::Small
                 } else {
                     Pool::Large
                 });
-                let sign = if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
-                    1
-                } else {
-                    -1
-                };
                 reserved.undo(pool, sign * e.size as i64);
                 if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentFree) {
                     segment.undo(pool, sign);
