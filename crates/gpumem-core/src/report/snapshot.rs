@@ -337,10 +337,8 @@ fn mapped_segments(
     mapped: &[(u64, u64)],
     frames_at: &dyn Fn(u64) -> Frames,
 ) -> Result<Vec<SegmentOut>, String> {
-    let mut starts: Vec<(u64, u64, u64, Pool)> = infos
-        .iter()
-        .map(|s| (s.addr, s.addr + s.size, s.stream, s.pool))
-        .collect();
+    let mut starts: Vec<(u64, u64, Pool)> =
+        infos.iter().map(|s| (s.addr, s.stream, s.pool)).collect();
     starts.sort_unstable_by_key(|s| s.0);
     let mut blocks: Vec<&BlockInfo> = infos.iter().flat_map(|s| s.blocks.iter()).collect();
     blocks.sort_unstable_by_key(|b| b.addr);
@@ -356,7 +354,7 @@ fn mapped_segments(
             // Owner: the last policy range starting at or before s.
             let k = starts.partition_point(|x| x.0 <= s);
             let (stream, pool) = if k > 0 {
-                (starts[k - 1].2, starts[k - 1].3)
+                (starts[k - 1].1, starts[k - 1].2)
             } else {
                 (0, Pool::Large)
             };
