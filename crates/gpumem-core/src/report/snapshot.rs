@@ -116,8 +116,12 @@ pub fn snapshot_pickle(alloc: &Allocator) -> Result<Vec<u8>, String> {
 
 /// Writes [`snapshot_pickle`] to `path` (gzipped when it ends in `.gz`).
 pub fn write_snapshot(alloc: &Allocator, path: &std::path::Path) -> Result<(), String> {
+    write_pickle(&snapshot_pickle(alloc)?, path)
+}
+
+/// Writes pickled bytes to `path`, gzipped when it ends in `.gz`.
+pub fn write_pickle(bytes: &[u8], path: &std::path::Path) -> Result<(), String> {
     use std::io::Write;
-    let bytes = snapshot_pickle(alloc)?;
     let err = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
     let file = std::fs::File::create(path).map_err(err)?;
     if path.extension().is_some_and(|e| e == "gz") {
@@ -125,12 +129,12 @@ pub fn write_snapshot(alloc: &Allocator, path: &std::path::Path) -> Result<(), S
             std::io::BufWriter::new(file),
             flate2::Compression::default(),
         );
-        w.write_all(&bytes).map_err(err)?;
+        w.write_all(bytes).map_err(err)?;
         // finish() writes the gzip trailer and reports errors that a drop would hide.
         w.finish().map_err(err)?.flush().map_err(err)?;
     } else {
         let mut w = std::io::BufWriter::new(file);
-        w.write_all(&bytes).map_err(err)?;
+        w.write_all(bytes).map_err(err)?;
         w.flush().map_err(err)?;
     }
     Ok(())

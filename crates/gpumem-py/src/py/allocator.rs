@@ -9,7 +9,7 @@ use crate::diagnostics::{leaks_of, summary, watch_at_exit, CallerStacks};
 use crate::stats::stats_json_text;
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::Backend;
-use gpumem_core::report::snapshot::{snapshot_pickle, write_snapshot};
+use gpumem_core::report::snapshot::{snapshot_pickle, write_pickle, write_snapshot};
 use gpumem_core::units::H200_TOTAL_BYTES;
 use gpumem_core::{Allocator, Config};
 use pyo3::exceptions::PyValueError;
@@ -250,19 +250,12 @@ impl PyAllocator {
         }
         // With Python stacks the pickle is re-made from the dict they were added to.
         let snap = self.snapshot(py)?;
-        let mut data = py
+        let data = py
             .import("pickle")?
             .call_method1("dumps", (snap,))?
             .cast_into::<PyBytes>()?;
-        if path.extension().is_some_and(|e| e == "gz") {
-            data = py
-                .import("gzip")?
-                .call_method1("compress", (data,))?
-                .cast_into::<PyBytes>()?;
-        }
-        std::fs::write(&path, data.as_bytes()).map_err(|e| {
-            GpumemError::new_err(format!("snapshot: cannot write {}: {e}", path.display()))
-        })
+        write_pickle(data.as_bytes(), &path)
+            .map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))
     }
 
     /// The segments and their blocks: the `segments` list of `snapshot()`, like
