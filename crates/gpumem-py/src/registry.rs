@@ -166,12 +166,11 @@ pub struct HistoryError {
 
 /// The configuration text parsed, with `GPUMEM_LEAK_CHECK` applied on top of it (as
 /// [`Config::from_env`] does).
-fn parse_conf(text: &str) -> Result<Config, String> {
+pub(crate) fn parse_conf(text: &str) -> Result<Config, AllocError> {
     Config::from_vars(
         Some(text),
         std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
     )
-    .map_err(|e| e.to_string())
 }
 
 /// The per-device allocators of the process.

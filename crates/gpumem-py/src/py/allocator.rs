@@ -6,12 +6,13 @@ use super::{
     InvalidSizeError,
 };
 use crate::diagnostics::{leaks_of, summary, watch_at_exit, CallerStacks};
+use crate::registry::parse_conf;
 use crate::stats::stats_json_text;
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::Backend;
 use gpumem_core::report::snapshot::{snapshot_pickle, write_pickle, write_snapshot};
 use gpumem_core::units::H200_TOTAL_BYTES;
-use gpumem_core::{Allocator, Config};
+use gpumem_core::Allocator;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -79,11 +80,7 @@ impl PyAllocator {
             Some(c) => c.to_string(),
             None => std::env::var("GPUMEM_CONF").unwrap_or_default(),
         };
-        let config = Config::from_vars(
-            Some(&conf_text),
-            std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
-        )
-        .map_err(to_pyerr)?;
+        let config = parse_conf(&conf_text).map_err(to_pyerr)?;
         let (backend, sim, device_name): (Box<dyn Backend>, Option<SimControl>, String) =
             match device {
                 DeviceArg::Name(n) if n == "sim" => {
