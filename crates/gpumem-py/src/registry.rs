@@ -252,12 +252,7 @@ impl Registry {
             setup.history = Some(req);
             return Ok(());
         }
-        let Some(config) = self
-            .devices()
-            .first()
-            .and_then(|&d| self.get(d))
-            .map(|s| s.alloc.config().clone())
-        else {
+        let Some(config) = self.first_slot().map(|s| s.alloc.config()) else {
             setup.history = Some(req);
             return Ok(());
         };
@@ -286,7 +281,7 @@ impl Registry {
 
     /// The configuration the allocators have, or will have when created.
     pub fn effective_config(&self) -> Config {
-        if let Some(s) = self.devices().first().and_then(|&d| self.get(d)) {
+        if let Some(s) = self.first_slot() {
             return s.alloc.config().clone();
         }
         let setup = self.setup.lock();
@@ -310,6 +305,11 @@ impl Registry {
     #[inline]
     pub fn get(&self, device: usize) -> Option<&DeviceSlot> {
         self.slots.get(device).and_then(|s| s.get())
+    }
+
+    /// The allocator of the first device that has one (all share one configuration).
+    fn first_slot(&self) -> Option<&DeviceSlot> {
+        self.slots.iter().find_map(OnceLock::get)
     }
 
     /// Devices that have an allocator.
