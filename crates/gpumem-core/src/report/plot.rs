@@ -90,6 +90,12 @@ fn bytes_labeller(max: f64, step: f64) -> impl Fn(f64) -> String {
     move |v: f64| format!("{:.*} {}", decimals, v / unit, UNITS[u])
 }
 
+/// Numbers as a JSON array.
+fn json_array<T: std::fmt::Display>(values: impl Iterator<Item = T>) -> String {
+    let items: Vec<String> = values.map(|v| v.to_string()).collect();
+    format!("[{}]", items.join(","))
+}
+
 /// A self-contained HTML page plotting bytes held and bytes live over the trace for each
 /// policy. Fails if no result has timeline samples (replay with `timeline_points` > 0).
 pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<String, String> {
@@ -260,33 +266,19 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
     );
 
     // The samples, for the hover read-out.
-    let mut data = String::from("{\"x\":[");
-    for (i, p) in live.iter().enumerate() {
-        let _ = write!(
-            data,
-            "{}{}",
-            if i > 0 { "," } else { "" },
-            XAxis::of(p, axis)
-        );
-    }
-    data.push_str("],\"live\":[");
-    for (i, p) in live.iter().enumerate() {
-        let _ = write!(data, "{}{}", if i > 0 { "," } else { "" }, p.live);
-    }
-    data.push_str("],\"held\":{");
-    for (k, r) in plotted.iter().enumerate() {
-        let _ = write!(
-            data,
-            "{}\"{}\":[",
-            if k > 0 { "," } else { "" },
-            escape(&r.policy)
-        );
-        for (i, p) in r.timeline.iter().enumerate() {
-            let _ = write!(data, "{}{}", if i > 0 { "," } else { "" }, p.held);
-        }
-        data.push(']');
-    }
-    data.push_str("}}");
+    let held: Vec<String> = plotted
+        .iter()
+        .map(|r| {
+            let values = json_array(r.timeline.iter().map(|p| p.held));
+            format!("\"{}\":{values}", escape(&r.policy))
+        })
+        .collect();
+    let data = format!(
+        "{{\"x\":{},\"live\":{},\"held\":{{{}}}}}",
+        json_array(live.iter().map(|p| XAxis::of(p, axis))),
+        json_array(live.iter().map(|p| p.live)),
+        held.join(",")
+    );
 
     let mut rows = String::new();
     for r in &plotted {
