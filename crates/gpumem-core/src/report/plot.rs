@@ -20,6 +20,13 @@ const COLOURS: [&str; 8] = [
 ];
 const LIVE_COLOUR: &str = "#555555";
 
+/// Colour and dash pattern of the `i`th policy's line, in the plot and in its legend: every
+/// other line dashed, so that lines on top of each other stay visible.
+fn line_style(i: usize) -> (&'static str, &'static str) {
+    let dashes = if i % 2 == 1 { "7 4" } else { "none" };
+    (COLOURS[i % COLOURS.len()], dashes)
+}
+
 /// How the x axis is measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum XAxis {
@@ -223,13 +230,11 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
                 .iter()
                 .map(|p| (sx(XAxis::of(p, axis)), sy(p.held as f64))),
         );
+        let (colour, dashes) = line_style(i);
         let _ = write!(
             svg,
-            r#"<path class="held" data-policy="{}" d="{d}" fill="none" stroke="{}" stroke-width="1.6" stroke-dasharray="{}"><title>{}: peak held {} (held/live {:.3})</title></path>"#,
+            r#"<path class="held" data-policy="{}" d="{d}" fill="none" stroke="{colour}" stroke-width="1.6" stroke-dasharray="{dashes}"><title>{}: peak held {} (held/live {:.3})</title></path>"#,
             escape(&r.policy),
-            COLOURS[i % COLOURS.len()],
-            // Every other line dashed, so that lines on top of each other stay visible.
-            if i % 2 == 1 { "7 4" } else { "none" },
             escape(&r.policy),
             format_size(r.peak_held_bytes),
             r.ratio
@@ -238,13 +243,12 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
     // Legend.
     let mut ly = TOP + 8.0;
     for (i, r) in plotted.iter().enumerate() {
+        let (colour, dashes) = line_style(i);
         let _ = write!(
             svg,
-            r#"<line x1="{:.2}" y1="{ly:.2}" x2="{:.2}" y2="{ly:.2}" stroke="{}" stroke-width="3" stroke-dasharray="{}"/><text x="{:.2}" y="{:.2}">{} held</text>"#,
+            r#"<line x1="{:.2}" y1="{ly:.2}" x2="{:.2}" y2="{ly:.2}" stroke="{colour}" stroke-width="3" stroke-dasharray="{dashes}"/><text x="{:.2}" y="{:.2}">{} held</text>"#,
             LEFT + 12.0,
             LEFT + 36.0,
-            COLOURS[i % COLOURS.len()],
-            if i % 2 == 1 { "7 4" } else { "none" },
             LEFT + 42.0,
             ly + 4.0,
             escape(&r.policy)
