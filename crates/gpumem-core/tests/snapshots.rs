@@ -54,21 +54,13 @@ fn pytorch_snapshots_summarise_and_replay_backwards() {
         assert_eq!(r.stats.reserved_bytes.all.peak, peak, "{name}");
         assert_eq!(r.stats.reserved_bytes.all.current, cur, "{name}");
         // Requested bytes peak = the trace's peak live bytes.
-        let t = trace::load(&path, 0, None).unwrap();
         assert_eq!(
             r.stats.requested_bytes.all.peak as u64,
-            gpumem_core::replay::peak_live(&t),
+            gpumem_core::replay::peak_live(&snap.trace),
             "{name}"
         );
         let s = &r.stats;
-        assert_eq!(
-            s.allocation.all.allocated,
-            snap.trace
-                .events
-                .iter()
-                .filter(|e| e.kind == Kind::Alloc)
-                .count() as i64
-        );
+        assert_eq!(s.allocation.all.allocated, snap.trace.allocs() as i64);
         assert_eq!(
             s.allocation.all.current,
             s.allocation.small_pool.current + s.allocation.large_pool.current
@@ -107,14 +99,8 @@ fn replayed_snapshots_read_back_and_agree_with_the_allocator() {
         let (bytes, stats) = replay_snapshot(&t, policy);
         let snap = read_snapshot_bytes(bytes, policy.name(), 0).unwrap();
         check_replayable(&snap).unwrap_or_else(|e| panic!("{}: {e}", policy.name()));
-        let allocs = snap
-            .trace
-            .events
-            .iter()
-            .filter(|e| e.kind == Kind::Alloc)
-            .count();
         assert_eq!(
-            allocs,
+            snap.trace.allocs(),
             t.allocs(),
             "{}: every allocation is in the history",
             policy.name()

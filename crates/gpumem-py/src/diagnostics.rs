@@ -7,7 +7,7 @@
 use crate::registry::{global, Registry};
 use gpumem_core::backend::DevPtr;
 use gpumem_core::report::frames::Frame;
-use gpumem_core::report::leaks::{leak_report, write_at_exit, LeakReport};
+use gpumem_core::report::leaks::{leak_report, LeakReport};
 use gpumem_core::report::snapshot::{to_pickle, SnapshotData};
 use gpumem_core::report::summary::{render_summary, SummaryOptions};
 use gpumem_core::{Allocator, Config, MemoryStats};
@@ -148,22 +148,10 @@ fn write_one(
         return 0;
     }
     let _ = writeln!(out, "gpumem: {label}");
-    match stacks {
-        // The engine's own report, worded as gpumem-core writes it at exit.
-        None => write_at_exit(alloc, out).allocations.len(),
-        Some(s) => {
-            let r = leaks_of(alloc, Some(s));
-            let _ = if r.is_empty() {
-                writeln!(out, "gpumem leak check: every allocation was freed")
-            } else {
-                write!(
-                    out,
-                    "gpumem leak check: allocations still live at exit\n{r}"
-                )
-            };
-            r.allocations.len()
-        }
-    }
+    // Worded as gpumem-core writes the report at exit.
+    let r = leaks_of(alloc, stacks);
+    r.write_exit_report(out);
+    r.allocations.len()
 }
 
 /// The leak check at exit: for each allocator of `registry` (PyTorch's, one per device) and

@@ -166,12 +166,11 @@ pub struct HistoryError {
 
 /// The configuration text parsed, with `GPUMEM_LEAK_CHECK` applied on top of it (as
 /// [`Config::from_env`] does).
-fn parse_conf(text: &str) -> Result<Config, String> {
+pub(crate) fn parse_conf(text: &str) -> Result<Config, AllocError> {
     Config::from_vars(
         Some(text),
         std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
     )
-    .map_err(|e| e.to_string())
 }
 
 /// The per-device allocators of the process.
@@ -253,12 +252,7 @@ impl Registry {
             setup.history = Some(req);
             return Ok(());
         }
-        let Some(config) = self
-            .devices()
-            .first()
-            .and_then(|&d| self.get(d))
-            .map(|s| s.alloc.config().clone())
-        else {
+        let Some(config) = self.first_slot().map(|s| s.alloc.config()) else {
             setup.history = Some(req);
             return Ok(());
         };
@@ -287,7 +281,7 @@ impl Registry {
 
     /// The configuration the allocators have, or will have when created.
     pub fn effective_config(&self) -> Config {
-        if let Some(s) = self.devices().first().and_then(|&d| self.get(d)) {
+        if let Some(s) = self.first_slot() {
             return s.alloc.config().clone();
         }
         let setup = self.setup.lock();
@@ -311,6 +305,11 @@ impl Registry {
     #[inline]
     pub fn get(&self, device: usize) -> Option<&DeviceSlot> {
         self.slots.get(device).and_then(|s| s.get())
+    }
+
+    /// The allocator of the first device that has one (all share one configuration).
+    fn first_slot(&self) -> Option<&DeviceSlot> {
+        self.slots.iter().find_map(OnceLock::get)
     }
 
     /// Devices that have an allocator.

@@ -168,6 +168,18 @@ impl LeakReport {
     pub fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
     }
+
+    /// Writes the report as the leak check at exit words it (see [`write_at_exit`]).
+    pub fn write_exit_report(&self, out: &mut dyn Write) {
+        let _ = if self.is_empty() {
+            writeln!(out, "gpumem leak check: every allocation was freed")
+        } else {
+            write!(
+                out,
+                "gpumem leak check: allocations still live at exit\n{self}"
+            )
+        };
+    }
 }
 
 fn age(a: Option<f64>) -> String {
@@ -258,14 +270,7 @@ impl fmt::Display for LeakReport {
 pub fn write_at_exit(alloc: &Allocator, out: &mut dyn Write) -> LeakReport {
     let r = leak_report(alloc);
     if alloc.config().leak_check {
-        let _ = if r.is_empty() {
-            writeln!(out, "gpumem leak check: every allocation was freed")
-        } else {
-            write!(
-                out,
-                "gpumem leak check: allocations still live at exit\n{r}"
-            )
-        };
+        r.write_exit_report(out);
     }
     r
 }

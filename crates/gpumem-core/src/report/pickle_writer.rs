@@ -154,28 +154,28 @@ impl PickleWriter {
     /// A string (memoized: the second time, a reference is written).
     pub fn str(&mut self, s: &str) {
         if let Some(&i) = self.memo.get(s) {
-            match u8::try_from(i) {
-                Ok(b) => self.buf.extend([BINGET, b]),
-                Err(_) => {
-                    self.buf.push(LONG_BINGET);
-                    self.buf.extend(i.to_le_bytes());
-                }
-            }
+            self.memo_op(BINGET, LONG_BINGET, i);
         } else {
             self.buf.push(BINUNICODE);
             self.buf.extend((s.len() as u32).to_le_bytes());
             self.buf.extend(s.as_bytes());
             let i = self.memo.len() as u32;
-            match u8::try_from(i) {
-                Ok(b) => self.buf.extend([BINPUT, b]),
-                Err(_) => {
-                    self.buf.push(LONG_BINPUT);
-                    self.buf.extend(i.to_le_bytes());
-                }
-            }
+            self.memo_op(BINPUT, LONG_BINPUT, i);
             self.memo.insert(s.to_string(), i);
         }
         self.item();
+    }
+
+    /// A memo opcode with index `i`: `short` with a one-byte index when it fits, else `long`
+    /// with four bytes.
+    fn memo_op(&mut self, short: u8, long: u8, i: u32) {
+        match u8::try_from(i) {
+            Ok(b) => self.buf.extend([short, b]),
+            Err(_) => {
+                self.buf.push(long);
+                self.buf.extend(i.to_le_bytes());
+            }
+        }
     }
 
     /// Opens a dict: write key, value, key, value... then [`Self::end`].

@@ -20,6 +20,13 @@ const COLOURS: [&str; 8] = [
 ];
 const LIVE_COLOUR: &str = "#555555";
 
+/// Colour and dash pattern of the `i`th policy's line, in the plot and in its legend: every
+/// other line dashed, so that lines on top of each other stay visible.
+fn line_style(i: usize) -> (&'static str, &'static str) {
+    let dashes = if i % 2 == 1 { "7 4" } else { "none" };
+    (COLOURS[i % COLOURS.len()], dashes)
+}
+
 /// How the x axis is measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum XAxis {
@@ -88,6 +95,12 @@ fn bytes_labeller(max: f64, step: f64) -> impl Fn(f64) -> String {
         (-s.log10()).ceil().max(1.0) as usize
     };
     move |v: f64| format!("{:.*} {}", decimals, v / unit, UNITS[u])
+}
+
+/// Numbers as a JSON array.
+fn json_array<T: std::fmt::Display>(values: impl Iterator<Item = T>) -> String {
+    let items: Vec<String> = values.map(|v| v.to_string()).collect();
+    format!("[{}]", items.join(","))
 }
 
 /// A self-contained HTML page plotting bytes held and bytes live over the trace for each
@@ -217,13 +230,11 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
                 .iter()
                 .map(|p| (sx(XAxis::of(p, axis)), sy(p.held as f64))),
         );
+        let (colour, dashes) = line_style(i);
         let _ = write!(
             svg,
-            r#"<path class="held" data-policy="{}" d="{d}" fill="none" stroke="{}" stroke-width="1.6" stroke-dasharray="{}"><title>{}: peak held {} (held/live {:.3})</title></path>"#,
+            r#"<path class="held" data-policy="{}" d="{d}" fill="none" stroke="{colour}" stroke-width="1.6" stroke-dasharray="{dashes}"><title>{}: peak held {} (held/live {:.3})</title></path>"#,
             escape(&r.policy),
-            COLOURS[i % COLOURS.len()],
-            // Every other line dashed, so that lines on top of each other stay visible.
-            if i % 2 == 1 { "7 4" } else { "none" },
             escape(&r.policy),
             format_size(r.peak_held_bytes),
             r.ratio
@@ -232,13 +243,12 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
     // Legend.
     let mut ly = TOP + 8.0;
     for (i, r) in plotted.iter().enumerate() {
+        let (colour, dashes) = line_style(i);
         let _ = write!(
             svg,
-            r#"<line x1="{:.2}" y1="{ly:.2}" x2="{:.2}" y2="{ly:.2}" stroke="{}" stroke-width="3" stroke-dasharray="{}"/><text x="{:.2}" y="{:.2}">{} held</text>"#,
+            r#"<line x1="{:.2}" y1="{ly:.2}" x2="{:.2}" y2="{ly:.2}" stroke="{colour}" stroke-width="3" stroke-dasharray="{dashes}"/><text x="{:.2}" y="{:.2}">{} held</text>"#,
             LEFT + 12.0,
             LEFT + 36.0,
-            COLOURS[i % COLOURS.len()],
-            if i % 2 == 1 { "7 4" } else { "none" },
             LEFT + 42.0,
             ly + 4.0,
             escape(&r.policy)
@@ -260,33 +270,19 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
     );
 
     // The samples, for the hover read-out.
-    let mut data = String::from("{\"x\":[");
-    for (i, p) in live.iter().enumerate() {
-        let _ = write!(
-            data,
-            "{}{}",
-            if i > 0 { "," } else { "" },
-            XAxis::of(p, axis)
-        );
-    }
-    data.push_str("],\"live\":[");
-    for (i, p) in live.iter().enumerate() {
-        let _ = write!(data, "{}{}", if i > 0 { "," } else { "" }, p.live);
-    }
-    data.push_str("],\"held\":{");
-    for (k, r) in plotted.iter().enumerate() {
-        let _ = write!(
-            data,
-            "{}\"{}\":[",
-            if k > 0 { "," } else { "" },
-            escape(&r.policy)
-        );
-        for (i, p) in r.timeline.iter().enumerate() {
-            let _ = write!(data, "{}{}", if i > 0 { "," } else { "" }, p.held);
-        }
-        data.push(']');
-    }
-    data.push_str("}}");
+    let held: Vec<String> = plotted
+        .iter()
+        .map(|r| {
+            let values = json_array(r.timeline.iter().map(|p| p.held));
+            format!("\"{}\":{values}", escape(&r.policy))
+        })
+        .collect();
+    let data = format!(
+        "{{\"x\":{},\"live\":{},\"held\":{{{}}}}}",
+        json_array(live.iter().map(|p| XAxis::of(p, axis))),
+        json_array(live.iter().map(|p| p.live)),
+        held.join(",")
+    );
 
     let mut rows = String::new();
     for r in &plotted {

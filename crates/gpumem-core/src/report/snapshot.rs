@@ -116,8 +116,12 @@ pub fn snapshot_pickle(alloc: &Allocator) -> Result<Vec<u8>, String> {
 
 /// Writes [`snapshot_pickle`] to `path` (gzipped when it ends in `.gz`).
 pub fn write_snapshot(alloc: &Allocator, path: &std::path::Path) -> Result<(), String> {
+    write_pickle(&snapshot_pickle(alloc)?, path)
+}
+
+/// Writes pickled bytes to `path`, gzipped when it ends in `.gz`.
+pub fn write_pickle(bytes: &[u8], path: &std::path::Path) -> Result<(), String> {
     use std::io::Write;
-    let bytes = snapshot_pickle(alloc)?;
     let err = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
     let file = std::fs::File::create(path).map_err(err)?;
     if path.extension().is_some_and(|e| e == "gz") {
@@ -125,12 +129,12 @@ pub fn write_snapshot(alloc: &Allocator, path: &std::path::Path) -> Result<(), S
             std::io::BufWriter::new(file),
             flate2::Compression::default(),
         );
-        w.write_all(&bytes).map_err(err)?;
+        w.write_all(bytes).map_err(err)?;
         // finish() writes the gzip trailer and reports errors that a drop would hide.
         w.finish().map_err(err)?.flush().map_err(err)?;
     } else {
         let mut w = std::io::BufWriter::new(file);
-        w.write_all(&bytes).map_err(err)?;
+        w.write_all(bytes).map_err(err)?;
         w.flush().map_err(err)?;
     }
     Ok(())
@@ -337,10 +341,8 @@ fn mapped_segments(
     mapped: &[(u64, u64)],
     frames_at: &dyn Fn(u64) -> Frames,
 ) -> Result<Vec<SegmentOut>, String> {
-    let mut starts: Vec<(u64, u64, u64, Pool)> = infos
-        .iter()
-        .map(|s| (s.addr, s.addr + s.size, s.stream, s.pool))
-        .collect();
+    let mut starts: Vec<(u64, u64, Pool)> =
+        infos.iter().map(|s| (s.addr, s.stream, s.pool)).collect();
     starts.sort_unstable_by_key(|s| s.0);
     let mut blocks: Vec<&BlockInfo> = infos.iter().flat_map(|s| s.blocks.iter()).collect();
     blocks.sort_unstable_by_key(|b| b.addr);
@@ -356,7 +358,7 @@ fn mapped_segments(
             // Owner: the last policy range starting at or before s.
             let k = starts.partition_point(|x| x.0 <= s);
             let (stream, pool) = if k > 0 {
-                (starts[k - 1].2, starts[k - 1].3)
+                (starts[k - 1].1, starts[k - 1].2)
             } else {
                 (0, Pool::Large)
             };

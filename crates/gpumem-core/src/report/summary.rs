@@ -327,22 +327,7 @@ pub fn snapshot_stats(snap: &Snapshot) -> SnapshotStats {
         }
     }
     // Only current values so far: totals restart from the history.
-    for arr in [
-        &mut st.allocation,
-        &mut st.segment,
-        &mut st.active,
-        &mut st.inactive_split,
-        &mut st.allocated_bytes,
-        &mut st.reserved_bytes,
-        &mut st.active_bytes,
-        &mut st.inactive_split_bytes,
-        &mut st.requested_bytes,
-    ] {
-        for s in [&mut arr.all, &mut arr.small_pool, &mut arr.large_pool] {
-            s.allocated = 0;
-            s.freed = 0;
-        }
-    }
+    st.reset_accumulated();
     let events = &snap.trace.events;
     let mut notes = Vec::new();
     let mut current_only = vec!["inactive_split", "inactive_split_bytes"];
@@ -418,21 +403,18 @@ pub fn snapshot_stats(snap: &Snapshot) -> SnapshotStats {
                 }
             }
             Kind::SegmentAlloc | Kind::SegmentFree | Kind::SegmentMap | Kind::SegmentUnmap => {
-                if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
+                let sign = if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
                     st.num_device_alloc += 1;
+                    1
                 } else {
                     st.num_device_free += 1;
-                }
+                    -1
+                };
                 let pool = seg_pool.get(&i).copied().unwrap_or(if e.size <= 2 << 20 {
                     Pool::Small
                 } else {
                     Pool::Large
                 });
-                let sign = if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentMap) {
-                    1
-                } else {
-                    -1
-                };
                 reserved.undo(pool, sign * e.size as i64);
                 if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentFree) {
                     segment.undo(pool, sign);

@@ -6,12 +6,13 @@ use super::{
     InvalidSizeError,
 };
 use crate::diagnostics::{leaks_of, summary, watch_at_exit, CallerStacks};
+use crate::registry::parse_conf;
 use crate::stats::stats_json_text;
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::Backend;
-use gpumem_core::report::snapshot::{snapshot_pickle, write_snapshot};
+use gpumem_core::report::snapshot::{snapshot_pickle, write_pickle, write_snapshot};
 use gpumem_core::units::H200_TOTAL_BYTES;
-use gpumem_core::{Allocator, Config};
+use gpumem_core::Allocator;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -79,11 +80,7 @@ impl PyAllocator {
             Some(c) => c.to_string(),
             None => std::env::var("GPUMEM_CONF").unwrap_or_default(),
         };
-        let config = Config::from_vars(
-            Some(&conf_text),
-            std::env::var("GPUMEM_LEAK_CHECK").ok().as_deref(),
-        )
-        .map_err(to_pyerr)?;
+        let config = parse_conf(&conf_text).map_err(to_pyerr)?;
         let (backend, sim, device_name): (Box<dyn Backend>, Option<SimControl>, String) =
             match device {
                 DeviceArg::Name(n) if n == "sim" => {
@@ -250,19 +247,12 @@ impl PyAllocator {
         }
         // With Python stacks the pickle is re-made from the dict they were added to.
         let snap = self.snapshot(py)?;
-        let mut data = py
+        let data = py
             .import("pickle")?
             .call_method1("dumps", (snap,))?
             .cast_into::<PyBytes>()?;
-        if path.extension().is_some_and(|e| e == "gz") {
-            data = py
-                .import("gzip")?
-                .call_method1("compress", (data,))?
-                .cast_into::<PyBytes>()?;
-        }
-        std::fs::write(&path, data.as_bytes()).map_err(|e| {
-            GpumemError::new_err(format!("snapshot: cannot write {}: {e}", path.display()))
-        })
+        write_pickle(data.as_bytes(), &path)
+            .map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))
     }
 
     /// The segments and their blocks: the `segments` list of `snapshot()`, like
