@@ -1,6 +1,7 @@
 //! `gpumem bench alloc`: allocation latency of gpumem's policies beside cudaMalloc and
 //! cudaMallocAsync on the op sequences of ANCHORS.md §2 (the work is in `gpumem_cuda::bench`).
 
+use crate::replay::parse_policy;
 use clap::{Args, Subcommand};
 use gpumem_core::policy::PolicyKind;
 use gpumem_cuda::bench::{self, report, BenchOptions};
@@ -53,15 +54,6 @@ struct AllocArgs {
     /// random_512B_1MiB_live2000, mt_random_512B_1MiB_live200.
     #[arg(long = "case")]
     cases: Vec<String>,
-}
-
-fn parse_policy(s: &str) -> Result<PolicyKind, String> {
-    PolicyKind::parse(s).ok_or_else(|| {
-        format!(
-            "unknown policy '{s}' (one of: {})",
-            PolicyKind::ALL.map(|k| k.name()).join(", ")
-        )
-    })
 }
 
 pub fn run(a: BenchArgs) -> Result<(), String> {

@@ -8,7 +8,7 @@ use gpumem_core::trace;
 use gpumem_core::units::parse_size;
 use gpumem_core::Config;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,7 +66,8 @@ pub struct ConvertArgs {
     device_index: u32,
 }
 
-fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+/// A `--policy` value (shared by `replay` and `bench alloc`).
+pub(crate) fn parse_policy(s: &str) -> Result<PolicyKind, String> {
     PolicyKind::parse(s).ok_or_else(|| {
         format!(
             "unknown policy '{s}' (one of: {})",
@@ -79,7 +80,13 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
     parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 80GiB)"))
 }
 
-fn load(path: &PathBuf, device: u32, quiet: bool) -> Result<trace::Trace, String> {
+/// Runs `read` on `path` with a progress bar of the bytes read (unless `quiet` or the file is
+/// small); fails if the file cannot be looked at (shared by `replay`, `convert` and `summary`).
+pub(crate) fn with_read_progress<T>(
+    path: &Path,
+    quiet: bool,
+    read: impl FnOnce(Option<trace::input::Progress>) -> T,
+) -> Result<T, String> {
     let size = std::fs::metadata(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?
         .len();
@@ -96,11 +103,15 @@ fn load(path: &PathBuf, device: u32, quiet: bool) -> Result<trace::Trace, String
         let f: trace::input::Progress = Arc::new(move |n| b.set_position(n));
         f
     });
-    let t = trace::load(path, device, progress).map_err(|e| e.to_string());
+    let r = read(progress);
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    t
+    Ok(r)
+}
+
+fn load(path: &Path, device: u32, quiet: bool) -> Result<trace::Trace, String> {
+    with_read_progress(path, quiet, |p| trace::load(path, device, p))?.map_err(|e| e.to_string())
 }
 
 pub fn run(a: ReplayArgs) -> Result<(), String> {
@@ -216,7 +227,7 @@ type SnapshotResult = Arc<std::sync::Mutex<Option<Result<(), String>>>>;
 
 fn snapshot_at_end(
     opts: &mut ReplayOptions,
-    path: &std::path::Path,
+    path: &Path,
     policies: &[PolicyKind],
     events: usize,
 ) -> Result<SnapshotResult, String> {

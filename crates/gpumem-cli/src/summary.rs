@@ -2,13 +2,12 @@
 //! snapshot file, PyTorch's or gpumem's: current figures from its segments, peaks and totals
 //! from its allocation history.
 
+use crate::replay::with_read_progress;
 use clap::Args;
 use gpumem_core::report::snapshot::check_replayable;
 use gpumem_core::report::summary::{render_summary, snapshot_stats, SummaryOptions};
-use gpumem_core::trace::{input::Progress, pickle::load_snapshot};
-use indicatif::{ProgressBar, ProgressStyle};
+use gpumem_core::trace::pickle::load_snapshot;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 #[derive(Args)]
 pub struct SummaryArgs {
@@ -31,27 +30,10 @@ pub struct SummaryArgs {
 }
 
 pub fn run(a: SummaryArgs) -> Result<(), String> {
-    let size = std::fs::metadata(&a.snapshot)
-        .map_err(|e| format!("cannot read {}: {e}", a.snapshot.display()))?
-        .len();
-    let bar = (!a.json && size > 4 << 20).then(|| {
-        let b = ProgressBar::new(size);
-        b.set_style(
-            ProgressStyle::with_template("reading {msg} {bar:30} {bytes}/{total_bytes} ({eta})")
-                .expect("template"),
-        );
-        b.set_message(a.snapshot.display().to_string());
-        b
-    });
-    let progress: Option<Progress> = bar.clone().map(|b| {
-        let f: Progress = Arc::new(move |n| b.set_position(n));
-        f
-    });
-    let snap = load_snapshot(&a.snapshot, a.device_index, progress);
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
-    let snap = snap.map_err(|e| e.to_string())?;
+    let snap = with_read_progress(&a.snapshot, a.json, |p| {
+        load_snapshot(&a.snapshot, a.device_index, p)
+    })?
+    .map_err(|e| e.to_string())?;
     let check = a.check.then(|| check_replayable(&snap));
     let r = snapshot_stats(&snap);
     if a.json {

@@ -2,7 +2,7 @@
 //! --snapshot/--plot`, `gpumem monitor` (on the scripted fake GPU, and without a GPU).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn gpumem() -> Command {
@@ -11,6 +11,16 @@ fn gpumem() -> Command {
 
 fn trace(name: &str) -> Option<std::path::PathBuf> {
     gpumem_core::testing::shared_trace(name)
+}
+
+/// The command exited with success (its stderr is the failure message otherwise).
+#[track_caller]
+fn assert_succeeded(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
@@ -30,11 +40,7 @@ fn summary_of_a_pytorch_snapshot() {
         .arg(&t)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["replayable"], true);
     assert_eq!(j["history_complete"], true);
@@ -78,21 +84,13 @@ fn replay_writes_a_snapshot_and_a_plot() {
         .arg(&t)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let out = gpumem()
         .args(["summary", "--json", "--check"])
         .arg(&snap)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["replayable"], true);
     // Every allocation of the trace is in the history.
@@ -116,11 +114,7 @@ fn monitor_json_names_the_leaking_process() {
         .args(["--interval", "50ms", "--window", "0.5s"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
         .unwrap()
         .lines()

@@ -235,19 +235,27 @@ impl CudaBackend {
         }
     }
 
-    fn no_vmm(&self, call: DriverCall) -> Result<(), BackendError> {
-        if self.info.supports_vmm {
-            Ok(())
-        } else {
-            Err(BackendError::new(
+    /// Checks a virtual-memory call of `bytes`: the device has the API, and the size is a
+    /// non-zero multiple of its page. Returns the page size.
+    fn vmm_pages(&self, call: DriverCall, bytes: u64) -> Result<u64, BackendError> {
+        if !self.info.supports_vmm {
+            return Err(BackendError::new(
                 call,
                 format!(
                     "{} has no virtual-memory API (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED \
                      is 0): use a policy over plain segments (caching, native, buddy)",
                     self.info.name
                 ),
-            ))
+            ));
         }
+        let page = self.info.page_bytes;
+        if bytes == 0 || bytes % page != 0 {
+            return Err(BackendError::new(
+                call,
+                format!("size {bytes} is not a non-zero multiple of the {page}-byte page"),
+            ));
+        }
+        Ok(page)
     }
 
     fn known_event(&self, call: DriverCall, e: EventHandle) -> Result<sys::CUevent, BackendError> {
@@ -381,14 +389,7 @@ impl Backend for CudaBackend {
     }
 
     fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
-        self.no_vmm(DriverCall::AddressReserve)?;
-        let page = self.info.page_bytes;
-        if bytes == 0 || bytes % page != 0 {
-            return Err(BackendError::new(
-                DriverCall::AddressReserve,
-                format!("size {bytes} is not a non-zero multiple of the {page}-byte page"),
-            ));
-        }
+        let page = self.vmm_pages(DriverCall::AddressReserve, bytes)?;
         self.bind()?;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: `va` is a valid place; size and alignment are multiples of the granularity.
@@ -422,14 +423,7 @@ impl Backend for CudaBackend {
     }
 
     fn mem_create(&mut self, bytes: u64) -> Result<PhysHandle, BackendError> {
-        self.no_vmm(DriverCall::MemCreate)?;
-        let page = self.info.page_bytes;
-        if bytes == 0 || bytes % page != 0 {
-            return Err(BackendError::new(
-                DriverCall::MemCreate,
-                format!("size {bytes} is not a non-zero multiple of the {page}-byte page"),
-            ));
-        }
+        self.vmm_pages(DriverCall::MemCreate, bytes)?;
         self.bind()?;
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `h` is a valid place; `prop` describes pinned memory on this device; the size

@@ -119,9 +119,9 @@ impl std::fmt::Display for Alarm {
 #[derive(Debug, Default)]
 struct Series {
     name: String,
+    /// The samples of the last window, oldest first (never empty once observed).
     points: VecDeque<(f64, u64)>,
     first_t: Option<f64>,
-    last_t: f64,
     baseline: Option<u64>,
     alarm_since: Option<f64>,
     rate: Option<f64>,
@@ -236,11 +236,10 @@ impl GrowthDetector {
     }
 
     fn observe_one(&mut self, key: SeriesKey, name: &str, t: f64, bytes: u64) -> Option<Alarm> {
-        let cfg = self.cfg.clone();
+        let cfg = &self.cfg;
         let s = self.series.entry(key).or_default();
         s.name = name.to_string();
         s.first_t.get_or_insert(t);
-        s.last_t = t;
         s.points.push_back((t, bytes));
         while s
             .points
@@ -250,7 +249,7 @@ impl GrowthDetector {
             s.points.pop_front();
         }
         let watched = t - s.first_t.unwrap_or(t);
-        let v = s.verdict(&cfg);
+        let v = s.verdict(cfg);
         s.rate = v.map(|v| v.slope);
         let full = watched >= cfg.window_s * 0.8;
         // Baseline: first stretch of the first full window, then any flat window.
@@ -335,7 +334,8 @@ impl GrowthDetector {
         }
         // Processes gone for a whole window are forgotten.
         let horizon = t - self.cfg.window_s;
-        self.series.retain(|_, s| s.last_t >= horizon);
+        self.series
+            .retain(|_, s| s.points.back().is_some_and(|&(last, _)| last >= horizon));
         alarms
     }
 

@@ -2,9 +2,7 @@
 //! memory follows a pattern of the sample number.
 
 use crate::source::{DeviceSource, GpuSample, MonitorError, ProcSample};
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
+use gpumem_core::units::{GIB, MIB};
 
 /// How a fake process's memory evolves, as a function of the sample number `n`.
 #[derive(Debug, Clone)]

@@ -47,60 +47,48 @@ impl Metrics {
     /// Empty metrics, registered.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("gpumem");
-        let m = Metrics {
-            registry: Registry::default(),
-            gpu_used: Family::default(),
-            gpu_total: Family::default(),
-            gpu_util: Family::default(),
-            gpu_mem_util: Family::default(),
-            proc_used: Family::default(),
-            proc_rate: Family::default(),
-            proc_baseline: Family::default(),
-            alarm: Family::default(),
-            samples: Counter::default(),
+        let mut gauge = |name: &str, help: &str| {
+            let family = Family::<Labels, GaugeF>::default();
+            registry.register(name, help, family.clone());
+            family
         };
-        registry.register(
-            "gpu_memory_used_bytes",
-            "GPU memory used",
-            m.gpu_used.clone(),
-        );
-        registry.register(
-            "gpu_memory_total_bytes",
-            "GPU memory in total",
-            m.gpu_total.clone(),
-        );
-        registry.register(
+        let gpu_used = gauge("gpu_memory_used_bytes", "GPU memory used");
+        let gpu_total = gauge("gpu_memory_total_bytes", "GPU memory in total");
+        let gpu_util = gauge(
             "gpu_utilization_ratio",
             "Share of the last sample period during which a kernel ran",
-            m.gpu_util.clone(),
         );
-        registry.register(
+        let gpu_mem_util = gauge(
             "gpu_memory_utilization_ratio",
             "Share of the last sample period during which device memory was read or written",
-            m.gpu_mem_util.clone(),
         );
-        registry.register(
-            "process_memory_used_bytes",
-            "GPU memory used by a process",
-            m.proc_used.clone(),
-        );
-        registry.register(
+        let proc_used = gauge("process_memory_used_bytes", "GPU memory used by a process");
+        let proc_rate = gauge(
             "process_memory_growth_bytes_per_second",
             "Robust slope of a process's GPU memory over the detection window",
-            m.proc_rate.clone(),
         );
-        registry.register(
+        let proc_baseline = gauge(
             "process_memory_baseline_bytes",
             "Learned baseline of a process's GPU memory",
-            m.proc_baseline.clone(),
         );
-        registry.register(
+        let alarm = gauge(
             "leak_alarm",
             "1 while a process (pid \"\": a GPU's total) grows steadily",
-            m.alarm.clone(),
         );
-        registry.register("monitor_samples", "Samples taken", m.samples.clone());
-        Metrics { registry, ..m }
+        let samples = Counter::default();
+        registry.register("monitor_samples", "Samples taken", samples.clone());
+        Metrics {
+            registry,
+            gpu_used,
+            gpu_total,
+            gpu_util,
+            gpu_mem_util,
+            proc_used,
+            proc_rate,
+            proc_baseline,
+            alarm,
+            samples,
+        }
     }
 
     /// Replaces the values with those of the latest sample.

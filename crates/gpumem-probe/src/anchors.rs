@@ -22,6 +22,21 @@ pub mod h200 {
     pub const LAT_L2_CYCLES: f64 = 374.0;
     /// 2 GB set.
     pub const LAT_HBM_CYCLES: f64 = 672.0;
+    /// The latency anchors by level, as the probe names its levels.
+    pub const LATENCY_CYCLES: [(&str, f64); 4] = [
+        ("shared", LAT_SMEM_CYCLES),
+        ("L1", LAT_L1_CYCLES),
+        ("L2", LAT_L2_CYCLES),
+        ("HBM", LAT_HBM_CYCLES),
+    ];
+
+    /// The latency anchor of `level`, if it has one.
+    pub fn latency_cycles(level: &str) -> Option<f64> {
+        LATENCY_CYCLES
+            .iter()
+            .find(|(l, _)| *l == level)
+            .map(|&(_, c)| c)
+    }
 
     /// Device-to-device copy, bytes read plus bytes written.
     pub const HBM_COPY_GBPS: f64 = 4_253.0;

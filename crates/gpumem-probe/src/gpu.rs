@@ -2,7 +2,7 @@
 //! stream, and the probe kernels compiled by NVRTC for the device's own architecture.
 
 use crate::error::{DriverContext, ProbeError};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::{self, CompileError, CompileOptions};
 use std::sync::Arc;
 
@@ -176,6 +176,17 @@ impl Gpu {
             )));
         }
         Ok(n)
+    }
+
+    /// One full wave of `f` in blocks of `block` threads: a grid of SMs x the blocks that can be
+    /// resident per SM.
+    pub fn full_wave(&self, f: &CudaFunction, block: u32) -> Result<LaunchConfig, ProbeError> {
+        let grid = self.sm_count * self.blocks_per_sm(f, block, 0)?;
+        Ok(LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        })
     }
 
     /// Runs `launch` `warmup` times untimed, then `runs` times each between two events; returns

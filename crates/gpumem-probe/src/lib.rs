@@ -428,12 +428,7 @@ pub fn evaluate_targets(r: &ProbeReport) -> Vec<Target> {
             });
         }
     }
-    for (level, anchor) in [
-        ("shared", h200::LAT_SMEM_CYCLES),
-        ("L1", h200::LAT_L1_CYCLES),
-        ("L2", h200::LAT_L2_CYCLES),
-        ("HBM", h200::LAT_HBM_CYCLES),
-    ] {
+    for (level, anchor) in h200::LATENCY_CYCLES {
         if let Some(l) = r.latency_of(level) {
             let ratio = l.cycles.median / anchor;
             out.push(Target {

@@ -228,16 +228,6 @@ fn capacity_table(r: &ProbeReport) -> Table {
     t
 }
 
-fn latency_anchor(level: &str) -> Option<f64> {
-    match level {
-        "shared" => Some(h200::LAT_SMEM_CYCLES),
-        "L1" => Some(h200::LAT_L1_CYCLES),
-        "L2" => Some(h200::LAT_L2_CYCLES),
-        "HBM" => Some(h200::LAT_HBM_CYCLES),
-        _ => None,
-    }
-}
-
 fn latency_table(r: &ProbeReport) -> Table {
     let mut t = new_table(&[
         "level",
@@ -250,7 +240,7 @@ fn latency_table(r: &ProbeReport) -> Table {
         "check",
     ]);
     for l in &r.latency {
-        let anchor = latency_anchor(&l.level);
+        let anchor = h200::latency_cycles(&l.level);
         t.add_row(vec![
             Cell::new(&l.level),
             Cell::new(format!(

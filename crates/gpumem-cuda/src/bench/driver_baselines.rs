@@ -3,7 +3,7 @@
 //! memory pool, its release threshold raised to the maximum so that the pool keeps its memory,
 //! as the anchor did).
 
-use super::timed_threads;
+use super::{slot_count, timed_threads};
 use crate::driver::{self, bind, check_named, cu_stream, describe};
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
@@ -72,6 +72,13 @@ impl DriverBaselines {
             .collect())
     }
 
+    /// Makes the context current on the calling (benchmark) thread and returns the empty
+    /// pointer table of `seq`.
+    fn slots_on_this_thread(&self, seq: &[Op]) -> Result<Vec<u64>, String> {
+        bind(&self.ctx).map_err(|e| e.to_string())?;
+        Ok(vec![0u64; slot_count(seq)])
+    }
+
     fn sync(&self) -> Result<(), String> {
         bind(&self.ctx).map_err(|e| e.to_string())?;
         driver::ctx_synchronize().map_err(|e| e.to_string())
@@ -79,13 +86,9 @@ impl DriverBaselines {
 
     /// One run of cuMemAlloc/cuMemFree over `seqs[0]` (single thread).
     pub(super) fn malloc_runs(&self, seqs: &[Vec<Op>]) -> Result<Duration, String> {
-        let ctx = &self.ctx;
         let wall = timed_threads(
             seqs.len(),
-            |t| {
-                bind(ctx).map_err(|e| e.to_string())?;
-                Ok(vec![0u64; slots(&seqs[t])])
-            },
+            |t| self.slots_on_this_thread(&seqs[t]),
             |t, slots| malloc_pass(&seqs[t], slots),
         )?;
         self.sync()?;
@@ -98,13 +101,9 @@ impl DriverBaselines {
         seqs: &[Vec<Op>],
         streams: &[Stream],
     ) -> Result<Duration, String> {
-        let ctx = &self.ctx;
         let wall = timed_threads(
             seqs.len(),
-            |t| {
-                bind(ctx).map_err(|e| e.to_string())?;
-                Ok(vec![0u64; slots(&seqs[t])])
-            },
+            |t| self.slots_on_this_thread(&seqs[t]),
             |t, slots| async_pass(&seqs[t], slots, streams[t]),
         )?;
         self.sync()?;
@@ -121,15 +120,6 @@ impl DriverBaselines {
         })
         .map_err(|e| e.to_string())
     }
-}
-
-fn slots(seq: &[Op]) -> usize {
-    seq.iter()
-        .map(|op| match *op {
-            Op::Alloc { slot, .. } | Op::Free { slot } => slot as usize + 1,
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// Frees what a failed run left allocated (cuMemFree).

@@ -19,12 +19,11 @@ use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig};
 use gpumem_core::backend::{Backend, Stream};
 use gpumem_core::bench_ops::{make_ops, Op, OpParams};
 use gpumem_core::policy::PolicyKind;
+use gpumem_core::units::MIB;
 use gpumem_core::{AllocError, Allocation, Allocator, Config};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-
-const MIB: u64 = 1 << 20;
 
 /// One benchmark case (single-thread, or one thread count of the multi-thread case).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -282,23 +281,21 @@ pub fn run(
             progress(&m);
             out.push(m);
         };
+        let streams = if case.threads == 1 {
+            // As the anchor: single-thread cases run on the legacy default stream.
+            vec![0]
+        } else {
+            target.streams(case.threads)?
+        };
         for &policy in &opts.policies {
             let mut config = base_config.clone();
             config.policy = policy;
             let alloc = Allocator::new(target.backend()?, config).map_err(|e| e.to_string())?;
-            let streams = if case.threads == 1 {
-                // As the anchor: single-thread cases run on the legacy default stream.
-                vec![0]
-            } else {
-                target.streams(case.threads)?
-            };
             let fail = |e: String| format!("{} under {}: {e}", case.name, policy.name());
-            gpumem_runs(&alloc, &warm, &streams, opts.free_by_ptr).map_err(fail)?;
-            let mut runs = Vec::with_capacity(opts.runs);
-            for _ in 0..opts.runs {
-                let t = gpumem_runs(&alloc, &timed, &streams, opts.free_by_ptr).map_err(fail)?;
-                runs.push(t.as_nanos() as f64 / ops_per_run as f64);
-            }
+            let runs = ns_per_op(opts.runs, ops_per_run, |w| {
+                let seqs = if w { &warm } else { &timed };
+                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr).map_err(fail)
+            })?;
             let left = alloc.memory_stats().allocated_bytes.all.current;
             if left != 0 {
                 return Err(fail(format!("{left} bytes still allocated after the runs")));
@@ -317,28 +314,40 @@ pub fn run(
                     ..case.timed
                 })];
                 let ops = seq[0].len() as u64;
-                d.malloc_runs(&seq)?;
-                let mut runs = Vec::new();
-                for _ in 0..opts.runs {
-                    runs.push(d.malloc_runs(&seq)?.as_nanos() as f64 / ops as f64);
-                }
+                let runs = ns_per_op(opts.runs, ops, |_| d.malloc_runs(&seq))?;
                 emit("cudaMalloc".into(), runs, None, ops);
             }
-            let streams = if case.threads == 1 {
-                vec![0]
-            } else {
-                d.streams(case.threads)?
-            };
-            d.async_runs(&warm, &streams)?;
-            let mut runs = Vec::new();
-            for _ in 0..opts.runs {
-                runs.push(d.async_runs(&timed, &streams)?.as_nanos() as f64 / ops_per_run as f64);
-            }
+            let runs = ns_per_op(opts.runs, ops_per_run, |w| {
+                d.async_runs(if w { &warm } else { &timed }, &streams)
+            })?;
             d.trim_pool()?;
             emit("cudaMallocAsync".into(), runs, None, ops_per_run);
         }
     }
     Ok(out)
+}
+
+/// ns per op of each of `runs` timed runs, after one warm-up run: `run(true)` is the warm-up,
+/// `run(false)` a timed run of `ops` ops, returning its wall time.
+fn ns_per_op(
+    runs: usize,
+    ops: u64,
+    mut run: impl FnMut(bool) -> Result<Duration, String>,
+) -> Result<Vec<f64>, String> {
+    run(true)?;
+    (0..runs)
+        .map(|_| run(false).map(|t| t.as_nanos() as f64 / ops as f64))
+        .collect()
+}
+
+/// Slots a sequence's pointer table needs: one more than the highest slot it names.
+pub(crate) fn slot_count(seq: &[Op]) -> usize {
+    seq.iter()
+        .map(|op| match *op {
+            Op::Alloc { slot, .. } | Op::Free { slot } => slot as usize + 1,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// One run of gpumem over every thread's sequence (thread t on `streams[t]`); returns the wall
@@ -349,17 +358,9 @@ fn gpumem_runs(
     streams: &[Stream],
     by_ptr: bool,
 ) -> Result<Duration, String> {
-    let max_slot = |s: &Vec<Op>| {
-        s.iter()
-            .map(|op| match *op {
-                Op::Alloc { slot, .. } | Op::Free { slot } => slot as usize + 1,
-            })
-            .max()
-            .unwrap_or(0)
-    };
     timed_threads(
         seqs.len(),
-        |t| Ok(vec![None::<Allocation>; max_slot(&seqs[t])]),
+        |t| Ok(vec![None::<Allocation>; slot_count(&seqs[t])]),
         |t, slots| {
             gpumem_pass(alloc, &seqs[t], slots, streams[t], by_ptr).map_err(|e| e.to_string())
         },

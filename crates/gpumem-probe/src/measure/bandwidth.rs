@@ -1,7 +1,7 @@
 //! Streaming bandwidth: HBM copy (several kernels and the driver's copy) and read, an L2-resident
 //! read, and the shared-memory read against 128 B/clk/SM at the clock measured in the kernel.
 
-use super::{bits, download, gbps_stats, Session};
+use super::{bits, download, gbps_stats, launch_text, thread_count, Session};
 use crate::anchors::SMEM_BYTES_PER_CLK_PER_SM;
 use crate::error::{DriverContext, ProbeError};
 use crate::hostdata::{fill_random, mismatches_u32, per_thread_sums};
@@ -38,25 +38,6 @@ pub(crate) fn hbm_buffers(s: &mut Session, bytes: u64) -> Result<HbmBuffers, Pro
         .ctx("upload the HBM source")?;
     let dst: CudaSlice<f32> = s.alloc(n, "the HBM copy destination")?;
     Ok(HbmBuffers { host, src, dst })
-}
-
-/// One grid of one full wave: SMs x resident blocks of `BLOCK` threads.
-fn full_wave(s: &Session, kernel: &str) -> Result<(LaunchConfig, u64), ProbeError> {
-    let f = s.gpu.func(kernel)?;
-    let per_sm = s.gpu.blocks_per_sm(&f, BLOCK, 0)?;
-    let grid = s.gpu.sm_count * per_sm;
-    Ok((
-        LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        },
-        u64::from(grid) * u64::from(BLOCK),
-    ))
-}
-
-fn launch_text(cfg: &LaunchConfig) -> String {
-    format!("{} x {} threads", cfg.grid_dim.0, cfg.block_dim.0)
 }
 
 /// The copy variants (id, kernel or `None` for the driver's copy, label).
@@ -106,7 +87,7 @@ pub(crate) fn hbm_copy(
                     shared_mem_bytes: 0,
                 }
             } else {
-                full_wave(s, k)?.0
+                s.gpu.full_wave(&f, BLOCK)?
             };
             let stream = s.gpu.stream.clone();
             (
@@ -182,10 +163,11 @@ pub(crate) fn read(
     reps: u32,
 ) -> Result<Bandwidth, ProbeError> {
     s.say(&format!("{level} bandwidth: {label}"));
-    let (cfg, threads) = full_wave(s, "read_f4_x4")?;
     let f = s.gpu.func("read_f4_x4")?;
+    let cfg = s.gpu.full_wave(&f, BLOCK)?;
+    let threads = thread_count(&cfg);
     let src: CudaView<'_, f32> = buf.src.slice(0..4 * n4);
-    let mut partial: CudaSlice<f32> = s.alloc(threads as usize, "per-thread sums")?;
+    let mut partial: CudaSlice<f32> = s.alloc(threads, "per-thread sums")?;
     let n4u = n4 as u64;
     let stream = s.gpu.stream.clone();
     let run = |partial: &mut CudaSlice<f32>| {
@@ -199,13 +181,13 @@ pub(crate) fn read(
     };
     {
         // SAFETY: poisoning the per-thread sums through a u32 view of the same length.
-        let mut p = unsafe { partial.transmute_mut::<u32>(threads as usize) }
+        let mut p = unsafe { partial.transmute_mut::<u32>(threads) }
             .ok_or_else(|| ProbeError::Internal("view sums as u32".into()))?;
         s.poison(&mut p)?;
     }
     run(&mut partial)?;
     let got = download(&stream, &partial, &format!("run {id}"))?;
-    let want = per_thread_sums(&buf.host, n4, threads as usize);
+    let want = per_thread_sums(&buf.host, n4, threads);
     let bad = got
         .iter()
         .zip(&want)
@@ -257,22 +239,16 @@ pub(crate) fn smem_expected(t: u32, trips: u32) -> u64 {
 pub(crate) fn shared(s: &mut Session, trips: u32) -> Result<Bandwidth, ProbeError> {
     s.say("shared-memory bandwidth: ld.shared.v4, 8 loads in flight per thread");
     let f = s.gpu.func("smem_read")?;
-    let per_sm = s.gpu.blocks_per_sm(&f, SMEM_BLOCK, 0)?;
-    let grid = s.gpu.sm_count * per_sm;
-    let threads = (grid * SMEM_BLOCK) as usize;
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (SMEM_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = s.gpu.full_wave(&f, SMEM_BLOCK)?;
+    let threads = thread_count(&cfg);
     let mut out: CudaSlice<f32> = s.alloc(threads, "shared-memory sums")?;
-    let mut clocks: CudaSlice<u64> = s.alloc(4 * grid as usize, "block clocks")?;
+    let mut clocks: CudaSlice<u64> = s.alloc(4 * cfg.grid_dim.0 as usize, "block clocks")?;
     let stream = s.gpu.stream.clone();
     let run = |out: &mut CudaSlice<f32>, clocks: &mut CudaSlice<u64>| {
         let mut l = stream.launch_builder(&f);
         l.arg(&trips).arg(out).arg(clocks);
         // SAFETY: smem_read writes out[thread] for each of the grid's `threads` threads and
-        // clocks[4 * block + 0..4) for each of its `grid` blocks.
+        // clocks[4 * block + 0..4) for each of its `cfg.grid_dim.0` blocks.
         unsafe { l.launch(cfg) }.map(|_| ()).ctx("launch smem_read")
     };
     {

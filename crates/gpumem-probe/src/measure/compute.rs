@@ -1,12 +1,12 @@
 //! fp32 FMA throughput, measured with a kernel of independent FMA chains, at the SM clock read
 //! inside that kernel.
 
-use super::{download, Session};
+use super::{download, launch_text, thread_count, Session};
 use crate::anchors::fp32_lanes_per_sm;
 use crate::error::{DriverContext, ProbeError};
 use crate::report::ComputePeak;
 use crate::stats::Stats;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// Must match FMA_CHAINS and FMA_STEPS in probe.cu.
 pub(crate) const CHAINS: u32 = 8;
@@ -34,22 +34,16 @@ pub(crate) fn fma_expected(lane: u32, trips: u32) -> f32 {
 pub(crate) fn fp32_peak(s: &mut Session, trips: u32) -> Result<ComputePeak, ProbeError> {
     s.say("fp32 FMA peak: 8 independent chains per thread, one full wave");
     let f = s.gpu.func("fma_peak")?;
-    let per_sm = s.gpu.blocks_per_sm(&f, BLOCK, 0)?;
-    let grid = s.gpu.sm_count * per_sm;
-    let threads = (grid * BLOCK) as usize;
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = s.gpu.full_wave(&f, BLOCK)?;
+    let threads = thread_count(&cfg);
     let mut out: CudaSlice<f32> = s.alloc(threads, "FMA results")?;
-    let mut clocks: CudaSlice<u64> = s.alloc(4 * grid as usize, "block clocks")?;
+    let mut clocks: CudaSlice<u64> = s.alloc(4 * cfg.grid_dim.0 as usize, "block clocks")?;
     let stream = s.gpu.stream.clone();
     let run = |out: &mut CudaSlice<f32>, clocks: &mut CudaSlice<u64>| {
         let mut l = stream.launch_builder(&f);
         l.arg(&trips).arg(&A).arg(&B).arg(out).arg(clocks);
         // SAFETY: fma_peak writes out[thread] for each of the grid's `threads` threads and
-        // clocks[4 * block + 0..4) for each of its `grid` blocks.
+        // clocks[4 * block + 0..4) for each of its `cfg.grid_dim.0` blocks.
         unsafe { l.launch(cfg) }.map(|_| ()).ctx("launch fma_peak")
     };
     {
@@ -90,7 +84,7 @@ pub(crate) fn fp32_peak(s: &mut Session, trips: u32) -> Result<ComputePeak, Prob
         sm_clock_hz: clock,
         theoretical_tflops: fp32_lanes_per_sm(maj, min)
             .map(|lanes| f64::from(s.gpu.sm_count) * f64::from(lanes) * 2.0 * clock / 1e12),
-        launch: format!("{grid} x {BLOCK} threads"),
+        launch: launch_text(&cfg),
         verified,
     })
 }

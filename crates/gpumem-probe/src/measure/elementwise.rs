@@ -1,7 +1,7 @@
 //! The element-wise add c = a + b three ways: naive scalar, coalesced and vectorised, and
 //! deliberately strided; each checked exactly against the host on fresh random inputs.
 
-use super::{bits, download, gbps_stats, Session};
+use super::{bits, download, gbps_stats, launch_text, Session};
 use crate::error::{DriverContext, ProbeError};
 use crate::hostdata::{fill_random, mismatches_u32};
 use crate::report::Elementwise;
@@ -74,15 +74,14 @@ pub(crate) fn add_three_ways(s: &mut Session, n: usize) -> Result<Vec<Elementwis
         }
         let f = s.gpu.func(v.kernel)?;
         let (cfg, count) = if v.vector {
-            let per_sm = s.gpu.blocks_per_sm(&f, BLOCK, 0)?;
-            ((s.gpu.sm_count * per_sm, BLOCK), (n / 4) as u64)
+            (s.gpu.full_wave(&f, BLOCK)?, (n / 4) as u64)
         } else {
-            ((n.div_ceil(BLOCK as usize) as u32, BLOCK), n as u64)
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (cfg.0, 1, 1),
-            block_dim: (cfg.1, 1, 1),
-            shared_mem_bytes: 0,
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(BLOCK as usize) as u32, 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (cfg, n as u64)
         };
         let stream = s.gpu.stream.clone();
         let run = |c: &mut CudaSlice<f32>| {
@@ -112,7 +111,7 @@ pub(crate) fn add_three_ways(s: &mut Session, n: usize) -> Result<Vec<Elementwis
             bytes_per_run: bytes,
             gbps: gbps_stats(bytes, &secs)?,
             fraction_of_copy_peak: None,
-            launch: format!("{} x {} threads", cfg.grid_dim.0, cfg.block_dim.0),
+            launch: launch_text(&cfg),
             verified,
         });
     }

@@ -123,6 +123,16 @@ pub(crate) fn download<T: cudarc::driver::DeviceRepr, S: cudarc::driver::DeviceP
     Ok(v)
 }
 
+/// Threads of a one-dimensional launch.
+pub(crate) fn thread_count(cfg: &LaunchConfig) -> usize {
+    cfg.grid_dim.0 as usize * cfg.block_dim.0 as usize
+}
+
+/// A launch as the report shows it: "GRID x BLOCK threads".
+pub(crate) fn launch_text(cfg: &LaunchConfig) -> String {
+    format!("{} x {} threads", cfg.grid_dim.0, cfg.block_dim.0)
+}
+
 /// The bytes-per-second of each run as GB/s statistics.
 pub(crate) fn gbps_stats(bytes: u64, secs: &[f64]) -> Result<crate::stats::Stats, ProbeError> {
     let v: Vec<f64> = secs.iter().map(|s| bytes as f64 / s / 1e9).collect();
