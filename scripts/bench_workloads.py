@@ -407,18 +407,17 @@ def print_tables(rows, allocators, maxbatch, cap_bytes):
         if "gpumem_ratio_ok" in r:
             verdict = ("yes" if r["gpumem_ratio_ok"] else "NO") + " / " + ("yes" if r["gpumem_beats_anchors"] else "NO")
         print(f"{r['workload']:<16}{fmt_gib(r['peak_live']):>9}" + "".join(cells) + f"{fmt_ratio(r['best_anchor_here']):>13}  {verdict}")
-    print()
-    print("Median step time / native's (warm-up steps excluded); target for gpumem <= 1.01")
-    print(f"{'workload':<16}" + "".join(f"{a:>17}" for a in allocators))
-    for r in rows:
-        cells = [f"{fmt_ratio(r['alloc'].get(a, {}).get('time'), 3):>17}" for a in allocators]
-        print(f"{r['workload']:<16}" + "".join(cells))
-    print()
-    print("Cross-check: device used memory at step boundaries minus before (cuMemGetInfo) / peak live")
-    print(f"{'workload':<16}" + "".join(f"{a:>17}" for a in allocators))
-    for r in rows:
-        cells = [f"{fmt_ratio(r['alloc'].get(a, {}).get('driver_delta_ratio'), 3):>17}" for a in allocators]
-        print(f"{r['workload']:<16}" + "".join(cells))
+    for title, key in (
+        ("Median step time / native's (warm-up steps excluded); target for gpumem <= 1.01", "time"),
+        ("Cross-check: device used memory at step boundaries minus before (cuMemGetInfo) / peak live",
+         "driver_delta_ratio"),
+    ):
+        print()
+        print(title)
+        print(f"{'workload':<16}" + "".join(f"{a:>17}" for a in allocators))
+        for r in rows:
+            cells = [f"{fmt_ratio(r['alloc'].get(a, {}).get(key), 3):>17}" for a in allocators]
+            print(f"{r['workload']:<16}" + "".join(cells))
     errors = [(r["workload"], a, c["error"]) for r in rows for a, c in r["alloc"].items() if c.get("error")]
     for w, a, e in errors:
         print(f"! {w} under {a}: {e}")

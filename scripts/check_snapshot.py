@@ -85,8 +85,6 @@ def check_fields(obj, keys, where, optional=None):
     for k, t in optional.items():
         if k in obj:
             expect(isinstance(obj[k], t), f"{where}: {k!r} is {type(obj[k]).__name__}")
-    extra = set(obj) - set(keys) - set(optional)
-    return extra
 
 
 def check_frames(frames, where):

@@ -20,16 +20,9 @@ mkdir -p "$OUT"
 # NVLink multicast is off on these machines: keep NCCL and symmetric memory away from it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-WHEEL=$(ls -t .device/wheels/gpumem-*.whl 2>/dev/null | head -1)
-if [ -z "$WHEEL" ]; then
-    echo "no wheel in .device/wheels: build it first (maturin build --release --out .device/wheels) and carry .device" >&2
-    exit 2
-fi
-SITE="${TMPDIR:-/tmp}/gpumem-site"
-rm -rf "$SITE"
-python3 -m pip install --no-index --no-deps --target "$SITE" "$WHEEL" >"$OUT/pip.log" 2>&1 \
-    || python3 -m zipfile -e "$WHEEL" "$SITE"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=scripts/device/wheel.sh
+source scripts/device/wheel.sh
+install_gpumem_wheel "${TMPDIR:-/tmp}/gpumem-site"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 
 echo "== pytest tests/python/test_ddp_gpu.py"

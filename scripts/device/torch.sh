@@ -24,17 +24,9 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/out/torch}"
 mkdir -p "$OUT"
 
-WHEEL=$(ls -t .device/wheels/gpumem-*.whl 2>/dev/null | head -1)
-if [ -z "$WHEEL" ]; then
-    echo "no wheel in .device/wheels: build it first (maturin build --release --out .device/wheels) and carry .device" >&2
-    exit 2
-fi
-SITE="${TMPDIR:-/tmp}/gpumem-site"
-rm -rf "$SITE"
-# A wheel is a zip: if pip refuses (an externally managed Python), unpack it by hand.
-python3 -m pip install --no-index --no-deps --target "$SITE" "$WHEEL" >"$OUT/pip.log" 2>&1 \
-    || python3 -m zipfile -e "$WHEEL" "$SITE"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=scripts/device/wheel.sh
+source scripts/device/wheel.sh
+install_gpumem_wheel "${TMPDIR:-/tmp}/gpumem-site"
 python3 -c "import gpumem, torch; print('gpumem', gpumem.__version__, 'from', gpumem.__file__, '| torch', torch.__version__, '|', torch.cuda.get_device_name(0))" \
     | tee "$OUT/versions.txt" || exit 3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/versions.txt" 2>&1 || true

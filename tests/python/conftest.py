@@ -73,9 +73,9 @@ def gpu_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-needs_torch_cuda = pytest.mark.skipif(
-    torch_cuda_reason() is not None, reason=str(torch_cuda_reason())
-)
+# Why the GPU tests skip here (None: they run), worked out once for every test module.
+TORCH_CUDA_REASON = torch_cuda_reason()
+needs_torch_cuda = pytest.mark.skipif(TORCH_CUDA_REASON is not None, reason=str(TORCH_CUDA_REASON))
 
 
 def run_python(code, env=None, timeout=600):

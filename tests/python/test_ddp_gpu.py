@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import gpu_count, torch_cuda_reason
+from conftest import TORCH_CUDA_REASON, gpu_count
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "ddp_train.py"
 
+GPUS = gpu_count() if TORCH_CUDA_REASON is None else 0
 pytestmark = pytest.mark.skipif(
-    torch_cuda_reason() is not None or gpu_count() < 2,
-    reason=torch_cuda_reason() or f"needs 2 CUDA devices, this machine has {gpu_count()}",
+    TORCH_CUDA_REASON is not None or GPUS < 2,
+    reason=TORCH_CUDA_REASON or f"needs 2 CUDA devices, this machine has {GPUS}",
 )
 
 # NVLink multicast is off on the lent machines: keep NCCL and symmetric memory away from it.
