@@ -4,6 +4,7 @@ is driven through gpumem._native (and, for failures, through the exported C func
 called from C++ as PyTorch calls it). Each test uses its own simulated device, since the
 registry lives for the whole process."""
 
+import gzip
 import json
 import pickle
 
@@ -203,6 +204,14 @@ def test_snapshot_of_a_device_holds_its_blocks(tmp_path):
     assert pickle.loads(path.read_bytes()) == snap
     assert snap["device_traces"] == [[]], "no history in this configuration"
     assert _native.torch_free(p, dev, 0x77) == "freed"
+
+
+def test_dump_snapshot_of_an_unused_device_gzips_a_gz_path(tmp_path):
+    path = tmp_path / "unused.pickle.gz"
+    gpumem.torch.dump_snapshot(str(path), DEVICES - 1)
+    assert path.read_bytes()[:2] == b"\x1f\x8b", "gzip magic"
+    assert pickle.loads(gzip.decompress(path.read_bytes())) == gpumem.torch.snapshot(DEVICES - 1)
+    assert DEVICES - 1 not in gpumem.torch.devices(), "writing it creates no allocator"
 
 
 def test_snapshot_of_an_unused_device_is_empty():

@@ -8,7 +8,7 @@ use crate::stats::stats_json_text;
 use crate::torch_abi::{bind_c10, call_alloc_from_cpp, oom_is_c10, CallOutcome};
 use gpumem_core::policy::BlockKind;
 use gpumem_core::report::leaks::LeakReport;
-use gpumem_core::report::snapshot::{snapshot_pickle, write_snapshot};
+use gpumem_core::report::snapshot::{snapshot_pickle, write_pickle, write_snapshot};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -127,9 +127,8 @@ fn torch_dump_snapshot(py: Python<'_>, device_index: i64, path: PathBuf) -> PyRe
     let d = device(device_index)?;
     let Some(slot) = global().get(d) else {
         let bytes = snapshot_bytes(d)?;
-        return std::fs::write(&path, bytes).map_err(|e| {
-            GpumemError::new_err(format!("snapshot: cannot write {}: {e}", path.display()))
-        });
+        return write_pickle(&bytes, &path)
+            .map_err(|e| GpumemError::new_err(format!("snapshot: {e}")));
     };
     let alloc = slot.alloc.clone();
     py.detach(move || write_snapshot(&alloc, &path))
