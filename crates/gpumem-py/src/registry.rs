@@ -509,13 +509,7 @@ impl Registry {
     /// Completes every event recorded so far on simulated `device`; returns how many.
     pub fn sim_complete_events(&self, device: usize) -> usize {
         match self.get(device).and_then(|s| s.sim.as_ref()) {
-            Some(ctl) => {
-                let recorded = ctl.take_recorded();
-                for (e, _) in &recorded {
-                    ctl.complete(*e);
-                }
-                recorded.len()
-            }
+            Some(ctl) => ctl.complete_recorded(),
             None => 0,
         }
     }

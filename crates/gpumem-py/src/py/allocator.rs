@@ -352,12 +352,7 @@ impl PyAllocator {
     /// Simulated device: completes every event recorded so far (the other streams caught up);
     /// returns how many.
     fn sim_complete_events(&self) -> PyResult<usize> {
-        let ctl = self.sim_control()?;
-        let recorded = ctl.take_recorded();
-        for (e, _) in &recorded {
-            ctl.complete(*e);
-        }
-        Ok(recorded.len())
+        Ok(self.sim_control()?.complete_recorded())
     }
 
     fn __repr__(&self) -> String {
