@@ -12,6 +12,8 @@
 # On the GPU machine: the NVIDIA driver, an NVRTC library (the CUDA toolkit's or the
 # nvidia-cuda-nvrtc wheel's: found below and put on LD_LIBRARY_PATH), python3 with numpy and
 # cupy for the cross-check (skipped where missing). Run from the repository root with $OUT set.
+# Knobs: PROBE_RUNS=N (default 2) tables; PROBE_TABLE_ONLY=1 skips the PTX fallback, tests,
+# intensity, CuPy cross-check and sanitizer.
 # Wall time: estimated at 2 to 3 minutes (not yet timed on the GPU); the sanitizer pass is capped
 # at 100 s (+60 s for a retry without its kernel filter), so at most about 5.
 #
@@ -68,7 +70,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,po
     --format=csv | tee "$OUT/nvidia_smi_before.csv"
 
 # --- 1. The probe, twice: the table on stdout, progress on stderr, the JSON saved.
-for run in 1 2; do
+for run in $(seq 1 "${PROBE_RUNS:-2}"); do
     say "gpumem probe, run $run"
     rm -f "$OUT/probe_run$run.json"
     "$BIN" probe --save "$OUT/probe_run$run.json" >"$OUT/probe_run$run.txt" 2>"$OUT/probe_run$run.log"
@@ -78,6 +80,7 @@ for run in 1 2; do
     [[ $run -eq 1 ]] && cat "$OUT/probe_run$run.txt"
 done
 
+if [[ -z ${PROBE_TABLE_ONLY:-} ]]; then
 # --- 1b. The fallback for machines without NVRTC: the PTX shipped in the binary, JIT-compiled
 # by the driver (forced here, since this machine has NVRTC). Quick sizes.
 say "gpumem probe --quick with the shipped PTX"
@@ -154,6 +157,8 @@ else
     echo "compute-sanitizer not on PATH"
 fi
 
+fi  # PROBE_TABLE_ONLY skips 1b-5 (PROBE_RUNS=1 PROBE_TABLE_ONLY=1: one table, about a minute)
+
 say "GPU state after (read only)"
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv | tee "$OUT/nvidia_smi_after.csv"
 
@@ -183,7 +188,7 @@ def bw(r, i):
             return b
 rows = []
 rows.append(("HBM copy peak (variant)", [f"{r['hbm_copy_peak']['gbps']:.0f} {r['hbm_copy_peak']['id'][9:]}" if r.get("hbm_copy_peak") else "none" for r in runs], "4253"))
-for lvl, anchor in [("shared", 28.6), ("L1", 39.6), ("L2", 374), ("HBM", 672), ("HBM (page-local)", None)]:
+for lvl, anchor in [("shared", 28.6), ("L1", 39.6), ("L2", 374), ("L2 (re-read)", None), ("HBM", 672), ("HBM (page-local)", None)]:
     vals = [lat(r, lvl) for r in runs]
     if any(v is None for v in vals):
         continue

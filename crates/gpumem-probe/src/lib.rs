@@ -35,7 +35,7 @@ pub use gpu::{driver_present, format_version, nvrtc_present};
 pub use nvml::theoretical_gbps;
 pub use report::*;
 
-use measure::latency::{ChaseSpec, Order, Walker};
+use measure::latency::{ChaseSpec, Order, Residency, Walker};
 use measure::Session;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -227,7 +227,7 @@ fn run_inner(
                 steps: 1 << 16,
                 warm: 1 << 10,
                 repeats: 5,
-                cold: false,
+                residency: Residency::Warm,
             },
             ChaseSpec {
                 level: "L1",
@@ -238,19 +238,34 @@ fn run_inner(
                 steps: 1 << 16,
                 warm: 1 << 10,
                 repeats: 5,
-                cold: false,
+                residency: Residency::Warm,
             },
+            // Two L2 figures. "L2" (the anchor's situation): lines the grid has just written,
+            // read for the first time by the walking SM, so either L2 partition answers.
             ChaseSpec {
                 level: "L2",
                 set_bytes: opts.l2_chase_bytes.min(l2 / 2),
                 stride_bytes: 128,
                 order: Order::Random,
                 walker: Walker::L2Only,
+                steps: (opts.l2_chase_bytes.min(l2 / 2) / 128 / 8) as u32,
+                warm: 0,
+                repeats: 5,
+                residency: Residency::Written,
+            },
+            // "L2 (re-read)": every line read once by the walker before timing. If Hopper keeps
+            // a copy near the reading SM (as published near/far figures suggest), this is the
+            // near partition's latency and the gap to "L2" is the far partition's share.
+            ChaseSpec {
+                level: "L2 (re-read)",
+                set_bytes: opts.l2_chase_bytes.min(l2 / 2),
+                stride_bytes: 128,
+                order: Order::Random,
+                walker: Walker::L2Only,
                 steps: 1 << 16,
-                // Every line of the set once before timing, so all of it is in L2.
                 warm: (opts.l2_chase_bytes.min(l2 / 2) / 128) as u32,
                 repeats: 5,
-                cold: false,
+                residency: Residency::Warm,
             },
             ChaseSpec {
                 level: "HBM",
@@ -261,7 +276,7 @@ fn run_inner(
                 steps: 1 << 15,
                 warm: 1 << 10,
                 repeats: 3,
-                cold: true,
+                residency: Residency::Cold,
             },
             ChaseSpec {
                 level: "HBM (page-local)",
@@ -272,7 +287,7 @@ fn run_inner(
                 steps: 1 << 15,
                 warm: 1 << 10,
                 repeats: 3,
-                cold: true,
+                residency: Residency::Cold,
             },
         ];
         for (i, spec) in specs.iter().enumerate() {

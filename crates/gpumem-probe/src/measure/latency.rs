@@ -43,9 +43,26 @@ pub(crate) struct ChaseSpec {
     pub steps: u32,
     pub warm: u32,
     pub repeats: usize,
+    pub residency: Residency,
+}
+
+/// Where the lines of the set are when a timed walk reaches them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Residency {
+    /// Every launch repeats the same walk after `warm` steps: the walker has read each timed
+    /// line before, so it answers from the closest copy (L1, or the L2 partition near the SM).
+    Warm,
+    /// Before every launch L2 is flushed and the whole set is copied in again (a device-to-
+    /// device copy from a pristine copy, writing whole lines), so every line sits in L2 where
+    /// the copy left it; the walk starts on lines no walk has read yet. This is the anchor's
+    /// situation (anchors/hier.py uploads the set, then times lines its warm-up never
+    /// reached): a first read from one SM, served by either L2 partition. (Rewriting only the
+    /// chain's words with a kernel is not the same: a line holding one freshly written word
+    /// is read back at HBM latency, 650 cycles on an H200.)
+    Written,
     /// The set is larger than the walk: every launch starts where the previous one's walk
     /// cannot have reached, and L2 is flushed first, so no timed load finds its line cached.
-    pub cold: bool,
+    Cold,
 }
 
 /// successor[line] = next line of one cycle through all `n` lines in the given order.
@@ -105,8 +122,8 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
 
     // Lay the chain out on the device: upload the compact successor list, expand it.
     let mut chain: CudaSlice<u32> = s.alloc(words, "the pointer-chase set")?;
-    {
-        let next_dev = s.gpu.stream.clone_htod(&next).ctx("upload the chain")?;
+    let next_dev = s.gpu.stream.clone_htod(&next).ctx("upload the chain")?;
+    let build = |s: &mut Session, chain: &mut CudaSlice<u32>| -> Result<(), ProbeError> {
         let f = s.gpu.func("chase_build")?;
         let n = n_lines as u64;
         let cfg = LaunchConfig {
@@ -115,13 +132,33 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
             shared_mem_bytes: 0,
         };
         let mut b = s.gpu.stream.launch_builder(&f);
-        b.arg(&mut chain).arg(&next_dev).arg(&n).arg(&stride_words);
+        b.arg(chain).arg(&next_dev).arg(&n).arg(&stride_words);
         // SAFETY: chase_build(u32* a, const u32* next, u64 n, u32 stride) writes
         // a[i * stride] for i < n (< words, the length of `chain`) and reads next[0..n).
         unsafe { b.launch(cfg) }.ctx("launch chase_build")?;
-        s.gpu.sync()?;
+        s.gpu.sync()
+    };
+    build(s, &mut chain)?;
+    // The pristine copy the Written walks copy the set back from.
+    let pristine: Option<CudaSlice<u32>> = if spec.residency == Residency::Written {
+        let mut p: CudaSlice<u32> = s.alloc(words, "the pristine chase set")?;
+        s.gpu
+            .stream
+            .memcpy_dtod(&chain, &mut p)
+            .ctx("copy the chase set")?;
+        Some(p)
+    } else {
+        None
+    };
+    let fresh_lines = spec.residency != Residency::Warm;
+    let per_launch = u64::from(spec.warm) + u64::from(spec.steps);
+    if fresh_lines && spec.repeats as u64 * per_launch > n_lines as u64 {
+        return Err(ProbeError::Options(format!(
+            "{}: {} launches of {per_launch} steps revisit lines of a {n_lines}-line set",
+            spec.level, spec.repeats
+        )));
     }
-    let flush_len = if spec.cold {
+    let flush_len = if fresh_lines {
         let l2 = s
             .gpu
             .attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
@@ -129,7 +166,7 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
     } else {
         0
     };
-    let mut flush: Option<CudaSlice<u8>> = if spec.cold {
+    let mut flush: Option<CudaSlice<u8>> = if fresh_lines {
         Some(s.alloc(flush_len, "the L2 flush buffer")?)
     } else {
         None
@@ -156,16 +193,21 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
     let mut ns = Vec::new();
     let mut clocks = Vec::new();
     let mut verified = true;
-    let per_launch = u64::from(spec.warm) + u64::from(spec.steps);
     for r in 0..spec.repeats {
-        // Cold walks start on fresh lines of the cycle; warm ones repeat the same walk.
-        let start_line = if spec.cold {
+        // Cold and written walks start on fresh lines of the cycle; warm ones repeat one walk.
+        let start_line = if fresh_lines {
             walk(&next, 0, r as u64 * per_launch)
         } else {
             0
         };
         if let Some(buf) = flush.as_mut() {
             s.gpu.stream.memset_zeros(buf).ctx("flush L2")?;
+        }
+        if let Some(p) = pristine.as_ref() {
+            s.gpu
+                .stream
+                .memcpy_dtod(p, &mut chain)
+                .ctx("copy the chase set back")?;
         }
         {
             // SAFETY: poisoning the three u64 results through a view of six u32.
