@@ -426,6 +426,14 @@ def error_counts() -> Dict[str, int]:
     return dict(_native.torch_error_counts())
 
 
+def driver_calls(device: DeviceLike = None) -> Dict[str, Dict[str, float]]:
+    """The driver calls gpumem made on ``device`` so far, by CUDA name: ``calls``, ``pages``
+    covered, and ``seconds`` of host wall time measured around the calls (an event
+    synchronisation's seconds are time the host waited for the GPU)."""
+    raw = _native.torch_driver_calls(_device_index(device))
+    return {k: {"calls": n, "pages": p, "seconds": s} for k, (n, p, s) in raw.items()}
+
+
 def devices() -> List[int]:
     """Devices on which gpumem has an allocator (one per device, created on first use)."""
     return list(_native.torch_devices())

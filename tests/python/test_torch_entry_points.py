@@ -247,3 +247,19 @@ def test_history_cannot_change_once_the_allocators_exist():
         gpumem.torch.record_memory_history("state")
     with pytest.raises(ValueError, match="positive"):
         gpumem.torch.record_memory_history(True, max_entries=0)
+
+
+def test_driver_calls_count_the_pages_gpumem_took_and_their_time():
+    dev = 2  # only the zero-byte test touches device 2, and it allocates nothing there
+    assert gpumem.torch.driver_calls(dev) == {}
+    p = _native.torch_alloc(5 * MIB, dev, 0)
+    calls = gpumem.torch.driver_calls(dev)
+    # The default (stitched) policy backs 5 MiB with three 2 MiB pages: created and mapped.
+    assert calls["cuMemCreate"]["calls"] == 3
+    assert calls["cuMemMap"]["pages"] == 3
+    assert all(v["seconds"] >= 0.0 for v in calls.values())
+    assert _native.torch_free(p, dev, 0) == "freed"
+    # Reusing the same pages needs no driver call.
+    q = _native.torch_alloc(5 * MIB, dev, 0)
+    assert gpumem.torch.driver_calls(dev)["cuMemCreate"]["calls"] == 3
+    assert _native.torch_free(q, dev, 0) == "freed"

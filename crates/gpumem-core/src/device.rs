@@ -9,6 +9,7 @@ use crate::error::BackendError;
 use crate::stats::{Pool, StatArray};
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 /// Device-level statistics: physical allocations and their bytes.
 #[derive(Debug, Clone, Default)]
@@ -259,6 +260,14 @@ impl DeviceState {
         }
     }
 
+    /// Runs one backend call, adding its wall time to the calls' measured time.
+    fn timed<T>(&mut self, kind: DriverCall, f: impl FnOnce(&mut dyn Backend) -> T) -> T {
+        let t = Instant::now();
+        let r = f(self.backend.as_mut());
+        self.calls.add_measured(kind, t.elapsed());
+        r
+    }
+
     fn count(&mut self, kind: DriverCall, bytes: u64) {
         let pages = bytes.div_ceil(self.info.page_bytes.max(1));
         self.calls.add(kind, pages, &self.cost);
@@ -300,14 +309,14 @@ impl DeviceState {
         }
         if plain {
             self.count(DriverCall::MemAlloc, bytes);
-            let ptr = self.backend.mem_alloc(bytes)?;
+            let ptr = self.timed(DriverCall::MemAlloc, |b| b.mem_alloc(bytes))?;
             self.reserve.segment = Some((ptr, bytes));
             self.reserve.free_ranges.insert(ptr, bytes);
         } else {
             let page = self.page();
             for _ in 0..bytes / page {
                 self.count(DriverCall::MemCreate, page);
-                let h = self.backend.mem_create(page)?;
+                let h = self.timed(DriverCall::MemCreate, |b| b.mem_create(page))?;
                 self.reserve.pages.push(h);
             }
         }
@@ -346,7 +355,7 @@ impl DeviceState {
         }
         self.check_cap(DriverCall::MemAlloc, bytes)?;
         self.count(DriverCall::MemAlloc, bytes);
-        let ptr = self.backend.mem_alloc(bytes)?;
+        let ptr = self.timed(DriverCall::MemAlloc, |b| b.mem_alloc(bytes))?;
         self.gain(bytes, pool);
         if let Some(log) = self.segment_log.as_mut() {
             log.push(bytes);
@@ -371,7 +380,7 @@ impl DeviceState {
             }
         }
         self.count(DriverCall::MemFree, bytes);
-        self.backend.mem_free(ptr, bytes)?;
+        self.timed(DriverCall::MemFree, |b| b.mem_free(ptr, bytes))?;
         self.lose(bytes, pool);
         self.trace(SegmentAction::Free, ptr, bytes);
         Ok(())
@@ -395,13 +404,13 @@ impl DeviceState {
     /// Reserves a virtual range.
     pub fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
         self.count(DriverCall::AddressReserve, 0);
-        self.backend.address_reserve(bytes)
+        self.timed(DriverCall::AddressReserve, |b| b.address_reserve(bytes))
     }
 
     /// Returns a virtual range.
     pub fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
         self.count(DriverCall::AddressFree, 0);
-        self.backend.address_free(va, bytes)
+        self.timed(DriverCall::AddressFree, |b| b.address_free(va, bytes))
     }
 
     /// A physical page for `pool`: from the preallocated reserve if any is left, else created.
@@ -417,7 +426,7 @@ impl DeviceState {
         }
         self.check_cap(DriverCall::MemCreate, page)?;
         self.count(DriverCall::MemCreate, page);
-        let h = self.backend.mem_create(page)?;
+        let h = self.timed(DriverCall::MemCreate, |b| b.mem_create(page))?;
         self.gain(page, pool);
         Ok(h)
     }
@@ -426,7 +435,7 @@ impl DeviceState {
     pub fn release_page(&mut self, h: PhysHandle, pool: Pool) -> Result<(), BackendError> {
         let page = self.page();
         self.count(DriverCall::MemRelease, page);
-        self.backend.mem_release(h)?;
+        self.timed(DriverCall::MemRelease, |b| b.mem_release(h))?;
         self.lose(page, pool);
         Ok(())
     }
@@ -435,7 +444,7 @@ impl DeviceState {
     pub fn create_chunk(&mut self, bytes: u64, pool: Pool) -> Result<PhysHandle, BackendError> {
         self.check_cap(DriverCall::MemCreate, bytes)?;
         self.count(DriverCall::MemCreate, bytes);
-        let h = self.backend.mem_create(bytes)?;
+        let h = self.timed(DriverCall::MemCreate, |b| b.mem_create(bytes))?;
         self.gain(bytes, pool);
         Ok(h)
     }
@@ -448,7 +457,7 @@ impl DeviceState {
         pool: Pool,
     ) -> Result<(), BackendError> {
         self.count(DriverCall::MemRelease, bytes);
-        self.backend.mem_release(h)?;
+        self.timed(DriverCall::MemRelease, |b| b.mem_release(h))?;
         self.lose(bytes, pool);
         Ok(())
     }
@@ -456,7 +465,7 @@ impl DeviceState {
     /// Maps a physical allocation of `bytes` at `va`.
     pub fn map(&mut self, va: DevPtr, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
         self.count(DriverCall::MemMap, bytes);
-        self.backend.mem_map(va, bytes, h)?;
+        self.timed(DriverCall::MemMap, |b| b.mem_map(va, bytes, h))?;
         self.trace(SegmentAction::Map, va, bytes);
         Ok(())
     }
@@ -464,7 +473,7 @@ impl DeviceState {
     /// Unmaps `[va, va + bytes)`.
     pub fn unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
         self.count(DriverCall::MemUnmap, bytes);
-        self.backend.mem_unmap(va, bytes)?;
+        self.timed(DriverCall::MemUnmap, |b| b.mem_unmap(va, bytes))?;
         self.trace(SegmentAction::Unmap, va, bytes);
         Ok(())
     }
@@ -472,25 +481,25 @@ impl DeviceState {
     /// Grants access to a mapped range.
     pub fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
         self.count(DriverCall::SetAccess, bytes);
-        self.backend.set_access(va, bytes)
+        self.timed(DriverCall::SetAccess, |b| b.set_access(va, bytes))
     }
 
     /// Records an event on `stream`.
     pub fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
         self.count(DriverCall::EventRecord, 0);
-        self.backend.event_record(stream)
+        self.timed(DriverCall::EventRecord, |b| b.event_record(stream))
     }
 
     /// Whether an event has completed.
     pub fn event_query(&mut self, e: EventHandle) -> Result<bool, BackendError> {
         self.count(DriverCall::EventQuery, 0);
-        self.backend.event_query(e)
+        self.timed(DriverCall::EventQuery, |b| b.event_query(e))
     }
 
     /// Waits on the host for an event.
     pub fn event_synchronize(&mut self, e: EventHandle) -> Result<(), BackendError> {
         self.count(DriverCall::EventSynchronize, 0);
-        self.backend.event_synchronize(e)
+        self.timed(DriverCall::EventSynchronize, |b| b.event_synchronize(e))
     }
 
     /// Destroys an event (not a driver call worth counting: events are pooled).
@@ -505,13 +514,15 @@ impl DeviceState {
         e: EventHandle,
     ) -> Result<(), BackendError> {
         self.count(DriverCall::StreamWaitEvent, 0);
-        self.backend.stream_wait_event(stream, e)
+        self.timed(DriverCall::StreamWaitEvent, |b| {
+            b.stream_wait_event(stream, e)
+        })
     }
 
     /// (free, total) bytes of the device.
     pub fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
         self.count(DriverCall::MemGetInfo, 0);
-        self.backend.mem_get_info()
+        self.timed(DriverCall::MemGetInfo, |b| b.mem_get_info())
     }
 
     /// Bytes of the preallocated reserve not handed out yet.

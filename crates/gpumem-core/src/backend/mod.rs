@@ -208,6 +208,9 @@ pub struct CallCounts {
     counts: [u64; DriverCall::ALL.len()],
     pages: [u64; DriverCall::ALL.len()],
     est_seconds: f64,
+    /// Wall time measured around each backend call, nanoseconds (on the simulated device:
+    /// the simulation's own cost, not the driver's).
+    measured_ns: [u64; DriverCall::ALL.len()],
 }
 
 impl CallCounts {
@@ -217,6 +220,21 @@ impl CallCounts {
         self.counts[i] += 1;
         self.pages[i] += pages;
         self.est_seconds += cost.seconds(kind, pages);
+    }
+
+    /// Adds the measured wall time of one call.
+    pub fn add_measured(&mut self, kind: DriverCall, took: std::time::Duration) {
+        self.measured_ns[kind.index()] += took.as_nanos() as u64;
+    }
+
+    /// Measured wall time of the calls of one kind, in seconds.
+    pub fn measured_seconds(&self, kind: DriverCall) -> f64 {
+        self.measured_ns[kind.index()] as f64 * 1e-9
+    }
+
+    /// Measured wall time of all calls, in seconds.
+    pub fn measured_total_seconds(&self) -> f64 {
+        self.measured_ns.iter().sum::<u64>() as f64 * 1e-9
     }
 
     /// Calls of one kind.
@@ -254,6 +272,7 @@ impl CallCounts {
         for i in 0..d.counts.len() {
             d.counts[i] -= earlier.counts[i];
             d.pages[i] -= earlier.pages[i];
+            d.measured_ns[i] -= earlier.measured_ns[i];
         }
         d.est_seconds -= earlier.est_seconds;
         d

@@ -184,6 +184,12 @@ pub struct Measurement {
     /// Peak bytes the allocator held from the device (gpumem only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_held_bytes: Option<u64>,
+    /// gpumem only: driver calls per timed run (after the warm-up), and the host seconds they
+    /// took per timed run (measured around each call).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_calls_per_run: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_seconds_per_run: Option<f64>,
     /// PyTorch's figure for this case in ANCHORS.md §2.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub anchor_torch_ns: Option<f64>,
@@ -264,7 +270,11 @@ pub fn run(
         let warm = case.sequences(true);
         let ops_per_run: u64 = timed.iter().map(|s| s.len() as u64).sum();
         let (torch, _, _) = anchor(case.name, case.threads);
-        let mut emit = |allocator: String, runs: Vec<f64>, peak: Option<u64>, ops: u64| {
+        let mut emit = |allocator: String,
+                        runs: Vec<f64>,
+                        peak: Option<u64>,
+                        ops: u64,
+                        calls: Option<(f64, f64)>| {
             let ns = median(&runs);
             let m = Measurement {
                 case: case.name.to_string(),
@@ -275,6 +285,8 @@ pub fn run(
                 runs_ns_per_op: runs,
                 ops_per_run: ops,
                 peak_held_bytes: peak,
+                driver_calls_per_run: calls.map(|c| c.0),
+                driver_seconds_per_run: calls.map(|c| c.1),
                 anchor_torch_ns: torch,
                 ratio_to_torch_anchor: torch.map(|t| ns / t),
             };
@@ -292,10 +304,19 @@ pub fn run(
             config.policy = policy;
             let alloc = Allocator::new(target.backend()?, config).map_err(|e| e.to_string())?;
             let fail = |e: String| format!("{} under {}: {e}", case.name, policy.name());
+            let mut after_warm = None;
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
+                if !w && after_warm.is_none() {
+                    after_warm = Some(alloc.driver_calls());
+                }
                 let seqs = if w { &warm } else { &timed };
                 gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr).map_err(fail)
             })?;
+            let timed_calls = after_warm.map(|w| {
+                let d = alloc.driver_calls().since(&w);
+                let n = opts.runs as f64;
+                (d.total() as f64 / n, d.measured_total_seconds() / n)
+            });
             let left = alloc.memory_stats().allocated_bytes.all.current;
             if left != 0 {
                 return Err(fail(format!("{left} bytes still allocated after the runs")));
@@ -305,6 +326,7 @@ pub fn run(
                 runs,
                 Some(alloc.peak_held_bytes()),
                 ops_per_run,
+                timed_calls,
             );
         }
         if let (Target::Cuda(d), true) = (&target, opts.baselines) {
@@ -315,13 +337,13 @@ pub fn run(
                 })];
                 let ops = seq[0].len() as u64;
                 let runs = ns_per_op(opts.runs, ops, |_| d.malloc_runs(&seq))?;
-                emit("cudaMalloc".into(), runs, None, ops);
+                emit("cudaMalloc".into(), runs, None, ops, None);
             }
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
                 d.async_runs(if w { &warm } else { &timed }, &streams)
             })?;
             d.trim_pool()?;
-            emit("cudaMallocAsync".into(), runs, None, ops_per_run);
+            emit("cudaMallocAsync".into(), runs, None, ops_per_run, None);
         }
     }
     Ok(out)

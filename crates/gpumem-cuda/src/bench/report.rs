@@ -70,6 +70,30 @@ pub fn render(ms: &[Measurement]) -> String {
          multi-thread rows: wall time ÷ all threads' ops; (×) = ÷ PyTorch's anchor\n{t}\n"
     );
     s.push_str(&targets(ms));
+    s.push_str(&driver_calls(ms));
+    s
+}
+
+/// gpumem rows whose timed runs made driver calls: how many, and the host time they took (the
+/// part of the ns per op that is the driver's, not the allocator's own bookkeeping).
+pub fn driver_calls(ms: &[Measurement]) -> String {
+    let mut s = String::new();
+    for m in ms {
+        if let (Some(n), Some(secs)) = (m.driver_calls_per_run, m.driver_seconds_per_run) {
+            if n > 0.0 {
+                let per_op = secs * 1e9 / m.ops_per_run.max(1) as f64;
+                let _ = writeln!(
+                    s,
+                    "  driver calls in timed runs: {} {}×{}: {n:.1} per run, {:.3} ms per run ({} of the ns per op)",
+                    m.allocator,
+                    m.case,
+                    m.threads,
+                    secs * 1e3,
+                    fmt_ns(per_op)
+                );
+            }
+        }
+    }
     s
 }
 
@@ -131,6 +155,8 @@ mod tests {
             runs_ns_per_op: vec![ns],
             ops_per_run: 1,
             peak_held_bytes: None,
+            driver_calls_per_run: None,
+            driver_seconds_per_run: None,
             anchor_torch_ns: torch,
             ratio_to_torch_anchor: torch.map(|t| ns / t),
         }

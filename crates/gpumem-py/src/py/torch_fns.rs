@@ -203,6 +203,23 @@ fn torch_error_counts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// The driver calls gpumem made on `device`: {cuda name: (calls, pages, measured seconds)},
+/// the seconds being wall time measured around each call (host time the calls took).
+#[pyfunction]
+fn torch_driver_calls(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    if let Some(slot) = global().get(device(device_index)?) {
+        let calls = slot.alloc.driver_calls();
+        for (k, n) in calls.nonzero() {
+            d.set_item(
+                k.cuda_name(),
+                (n, calls.pages(k), calls.measured_seconds(k)),
+            )?;
+        }
+    }
+    Ok(d)
+}
+
 /// The allocation hook's logic, raising Python exceptions instead of C++ ones.
 #[pyfunction]
 #[pyo3(signature = (size, device_index=0, stream=0))]
@@ -308,6 +325,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(torch_set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(torch_error_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_driver_calls, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc, m)?)?;
     m.add_function(wrap_pyfunction!(torch_free, m)?)?;
     m.add_function(wrap_pyfunction!(torch_record_stream, m)?)?;
