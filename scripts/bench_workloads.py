@@ -10,6 +10,13 @@ Each workload runs in a fresh process per allocator:
     expandable        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     cudaMallocAsync   PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
     gpumem            gpumem.torch.install() (GPUMEM_CONF, default policy stitched)
+    gpumem-caching    gpumem with policy:caching (no virtual-memory calls), to tell the cost
+                      of the stitched policy's mapping apart from the rest (opt-in;
+                      --variant NAME=CONF adds others)
+
+--repeat N runs every (workload, allocator) pair N times, interleaved (all allocators once,
+then again), and reports each step-time ratio against the same round's native run, with the
+median over rounds: the spread between rounds says how much of a difference is noise.
 
 Workloads (models built from configs, nothing downloaded; the shapes of shared/anchors/wl.py,
 the Llama model built in bfloat16 directly on the GPU): GPT-2 small training at sequence 1024 (gpt2_train) and at a random
@@ -61,6 +68,12 @@ ALLOC_ENV = {
     "cudaMallocAsync": "backend:cudaMallocAsync",
     "gpumem": None,
 }
+# gpumem configurations runnable by name (GPUMEM_CONF syntax); "gpumem" uses the environment's.
+GPUMEM_VARIANTS = {"gpumem-caching": "policy:caching"}
+
+
+def is_gpumem(allocator: str) -> bool:
+    return allocator == "gpumem" or allocator in GPUMEM_VARIANTS
 
 # Steps per workload and warm-up steps left out of the median step time.
 WORKLOADS = {
@@ -154,9 +167,14 @@ def prefetch_steps(torch, dev, steps, rng):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     side = torch.cuda.Stream()
     main = torch.cuda.current_stream()
+    # Pinned host batches made once, as a data loader's workers would have them ready: drawing
+    # up to 32 MiB of random numbers on the host inside the step took longer than the step's
+    # GPU work and made the step time measure the host's RNG instead of the pipeline.
+    g = torch.Generator().manual_seed(0)
+    host_batches = {n: torch.randn(n, 4096, generator=g).pin_memory() for n in (256, 512, 1024, 2048)}
 
     def load():
-        host = torch.randn(rng.choice([256, 512, 1024, 2048]), 4096).pin_memory()
+        host = host_batches[rng.choice([256, 512, 1024, 2048])]
         with torch.cuda.stream(side):
             return host.to(dev, non_blocking=True)
 
@@ -233,10 +251,10 @@ class DriverPool:
 def child(args) -> None:
     import torch
 
-    if args.allocator == "gpumem":
+    if is_gpumem(args.allocator):
         import gpumem
 
-        gpumem.torch.install()
+        gpumem.torch.install()  # GPUMEM_CONF, set by the parent for variants
     torch.cuda.init()
     total = torch.cuda.get_device_properties(0).total_memory
     if args.cap_bytes:
@@ -252,12 +270,17 @@ def child(args) -> None:
     }
     times = []
     oom = None
+    calls_after_warmup = None
     t = time.perf_counter()
     try:
         for _ in make_workload(torch, args.workload, steps, args.batch):
             torch.cuda.synchronize()
             now = time.perf_counter()
             times.append(now - t)
+            if len(times) == spec["warmup"] and is_gpumem(args.allocator):
+                import gpumem
+
+                calls_after_warmup = gpumem.torch.driver_calls()
             free, _ = torch.cuda.mem_get_info()
             used_peak = max(used_peak, total - free)
             t = time.perf_counter()
@@ -294,10 +317,22 @@ def child(args) -> None:
     else:
         out["peak_held"] = out["torch_reserved_peak"]
         out["peak_held_source"] = "reserved_bytes.all.peak"
-    if args.allocator == "gpumem":
+    if is_gpumem(args.allocator):
         import gpumem
 
         out["gpumem_conf"] = gpumem.torch.conf()
+        total = gpumem.torch.driver_calls()
+        out["gpumem_driver_calls"] = total
+        # The calls of the timed steps alone, and the host seconds they took per step.
+        if calls_after_warmup is not None:
+            timed = {}
+            for k, v in total.items():
+                w = calls_after_warmup.get(k, {"calls": 0, "pages": 0, "seconds": 0.0})
+                if v["calls"] > w["calls"]:
+                    timed[k] = {"calls": v["calls"] - w["calls"], "seconds": v["seconds"] - w["seconds"]}
+            out["gpumem_timed_driver_calls"] = timed
+            n_timed = max(1, len(times) - spec["warmup"])
+            out["gpumem_driver_s_per_step"] = sum(v["seconds"] for v in timed.values()) / n_timed
         out["gpumem_errors"] = gpumem.torch.error_counts()
         out["gpumem_oom_exception"] = gpumem.torch.oom_exception()
     print(json.dumps(out), flush=True)
@@ -312,8 +347,10 @@ def run_child(workload, allocator, log_dir: Path, steps=None, batch=None, cap_by
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("PYTORCH_ALLOC_CONF", None)
-    if ALLOC_ENV[allocator]:
+    if ALLOC_ENV.get(allocator):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_ENV[allocator]
+    if allocator in GPUMEM_VARIANTS:
+        env["GPUMEM_CONF"] = GPUMEM_VARIANTS[allocator]
     cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "--allocator", allocator]
     if steps:
         cmd += ["--steps", str(steps)]
@@ -370,6 +407,8 @@ def summarize(results, allocators):
             if base_t and r.get("median_step_s"):
                 cell["time"] = r["median_step_s"] / base_t
             cell["driver_delta_ratio"] = (r["driver_used_delta_peak"] / live) if live and r.get("driver_used_delta_peak") else None
+            if r.get("gpumem_driver_s_per_step") is not None:
+                cell["driver_ms"] = 1000 * r["gpumem_driver_s_per_step"]
             cell["peak_held"] = r.get("peak_held")
             cell["requested_peak"] = r.get("requested_peak")
             row["alloc"][a] = cell
@@ -385,6 +424,24 @@ def summarize(results, allocators):
             row["gpumem_time_ok"] = g["time"] <= 1.01
         rows.append(row)
     return rows
+
+
+def merge_rounds(rows, per_round):
+    """Step-time ratio = median of the per-round ratios (each against its own round's native);
+    every round's value is kept under "times"."""
+    for row in rows:
+        for a, cell in row["alloc"].items():
+            ts = []
+            for rr in per_round:
+                for r2 in rr:
+                    if r2["workload"] == row["workload"] and r2["alloc"].get(a, {}).get("time") is not None:
+                        ts.append(r2["alloc"][a]["time"])
+            if ts:
+                cell["times"] = ts
+                cell["time"] = statistics.median(ts)
+        g = row["alloc"].get("gpumem", {})
+        if "time" in g:
+            row["gpumem_time_ok"] = g["time"] <= 1.01
 
 
 def print_tables(rows, allocators, maxbatch, cap_bytes):
@@ -411,6 +468,7 @@ def print_tables(rows, allocators, maxbatch, cap_bytes):
         ("Median step time / native's (warm-up steps excluded); target for gpumem <= 1.01", "time"),
         ("Cross-check: device used memory at step boundaries minus before (cuMemGetInfo) / peak live",
          "driver_delta_ratio"),
+        ("gpumem: host ms per timed step spent in driver calls (measured around each call)", "driver_ms"),
     ):
         print()
         print(title)
@@ -418,6 +476,14 @@ def print_tables(rows, allocators, maxbatch, cap_bytes):
         for r in rows:
             cells = [f"{fmt_ratio(r['alloc'].get(a, {}).get(key), 3):>17}" for a in allocators]
             print(f"{r['workload']:<16}" + "".join(cells))
+    if any("times" in c for r in rows for c in r["alloc"].values()):
+        print()
+        print("Step time / native's in each round (the table above shows their median)")
+        for r in rows:
+            for a in allocators:
+                ts = r["alloc"].get(a, {}).get("times")
+                if ts and a != "native":
+                    print(f"{r['workload']:<16}{a:<17}" + " ".join(f"{t:.3f}" for t in ts))
     errors = [(r["workload"], a, c["error"]) for r in rows for a, c in r["alloc"].items() if c.get("error")]
     for w, a, e in errors:
         print(f"! {w} under {a}: {e}")
@@ -482,9 +548,13 @@ def main() -> int:
     ap.add_argument("--no-maxbatch", action="store_true")
     ap.add_argument("--maxbatch-budget-s", type=float, default=240)
     ap.add_argument("--steps", type=int, help="override every workload's step count")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every pair this many times, interleaved; ratios are per round, then the median")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=CONF",
+                    help="an extra gpumem allocator NAME (starting with 'gpumem-') run with GPUMEM_CONF=CONF")
     # Child mode (used by the parent).
     ap.add_argument("--child", metavar="WORKLOAD")
-    ap.add_argument("--allocator", choices=ALLOCATORS)
+    ap.add_argument("--allocator")
     ap.add_argument("--batch", type=int)
     ap.add_argument("--cap-bytes", type=int)
     args = ap.parse_args()
@@ -493,14 +563,21 @@ def main() -> int:
         child(args)
         return 0
 
+    for v in args.variant:
+        name, sep, conf = v.partition("=")
+        if not sep or not name.startswith("gpumem-"):
+            ap.error(f"--variant {v!r}: expected NAME=CONF with NAME starting with 'gpumem-'")
+        GPUMEM_VARIANTS[name] = conf
     workloads = [w for w in args.workloads.split(",") if w]
     allocators = [a for a in args.allocators.split(",") if a]
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w} (known: {', '.join(WORKLOADS)})")
     for a in allocators:
-        if a not in ALLOCATORS:
-            ap.error(f"unknown allocator {a} (known: {', '.join(ALLOCATORS)})")
+        if a not in ALLOCATORS and a not in GPUMEM_VARIANTS:
+            ap.error(f"unknown allocator {a} (known: {', '.join(ALLOCATORS + list(GPUMEM_VARIANTS))})")
     if "native" not in allocators:
         ap.error("the native run is the common denominator: keep it in --allocators")
     out_dir = Path(args.out)
@@ -508,18 +585,29 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     jsonl = open(out_dir / "bench_workloads.jsonl", "w")
 
-    results = {}
-    n = len(workloads) * len(allocators)
+    rounds = []  # one {(workload, allocator): result} per round
+    pairs = [(w, a) for w in workloads for a in allocators]
+    n = len(pairs) * args.repeat
     t0 = time.time()
-    for i, (w, a) in enumerate(((w, a) for w in workloads for a in allocators), 1):
-        print(f"[{i}/{n}] {w} under {a} ...", end=" ", flush=True)
-        r = run_child(w, a, log_dir, steps=args.steps)
-        results[(w, a)] = r
-        jsonl.write(json.dumps(r) + "\n")
-        jsonl.flush()
-        status = r.get("error") or r.get("oom") or (
-            f"held {fmt_gib(r.get('peak_held'))} GiB, median step {1000 * (r.get('median_step_s') or 0):.1f} ms")
-        print(f"{status} ({r['wall_s']} s, {time.time() - t0:.0f} s in all)", flush=True)
+    i = 0
+    for rnd in range(args.repeat):
+        results = {}
+        for w, a in pairs:
+            i += 1
+            print(f"[{i}/{n}] {w} under {a}" + (f" (round {rnd + 1})" if args.repeat > 1 else "") + " ...",
+                  end=" ", flush=True)
+            r = run_child(w, a, log_dir, steps=args.steps)
+            r["round"] = rnd
+            results[(w, a)] = r
+            jsonl.write(json.dumps(r) + "\n")
+            jsonl.flush()
+            status = r.get("error") or r.get("oom") or (
+                f"held {fmt_gib(r.get('peak_held'))} GiB, median step {1000 * (r.get('median_step_s') or 0):.1f} ms")
+            if r.get("gpumem_driver_s_per_step") is not None:
+                status += f", driver calls {1000 * r['gpumem_driver_s_per_step']:.2f} ms/step"
+            print(f"{status} ({r['wall_s']} s, {time.time() - t0:.0f} s in all)", flush=True)
+        rounds.append(results)
+    results = rounds[0]
 
     maxbatch = None
     cap_bytes = int(args.cap_gib * GIB)
@@ -527,6 +615,8 @@ def main() -> int:
         maxbatch = max_batch_search(allocators, cap_bytes, log_dir, jsonl, budget_s=args.maxbatch_budget_s)
 
     rows = summarize(results, allocators)
+    if args.repeat > 1:
+        merge_rounds(rows, [summarize(r, allocators) for r in rounds])
     summary = {"summary": rows, "maxbatch": maxbatch, "cap_bytes": cap_bytes,
                "anchor_ratios_published": ANCHOR_RATIOS, "wall_s": round(time.time() - t0, 1)}
     jsonl.write(json.dumps(summary) + "\n")
