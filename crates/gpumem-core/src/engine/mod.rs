@@ -48,12 +48,18 @@ struct ShardState {
     syncs: i64,
 }
 
+/// The lock of a shard: a spin lock whose waiters yield the CPU. Uncontended (the common case:
+/// one thread per stream) it costs one atomic exchange to lock and a plain store to unlock.
+/// The shard lock is held across driver calls on slow paths; a second thread on the same
+/// stream then yields until it is free.
+type ShardLock<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;
+
 /// One stream's pool. Aligned to two cache lines so that threads working on neighbouring
 /// streams of the table never write to the same line.
 #[repr(align(128))]
 struct Shard {
     stream: Stream,
-    state: Mutex<ShardState>,
+    state: ShardLock<ShardState>,
 }
 
 /// The allocator of one device. Thread-safe; share it behind an `Arc`.
@@ -135,7 +141,7 @@ impl Allocator {
         self.shards
             .get_or_insert(stream, || Shard {
                 stream,
-                state: Mutex::new(ShardState {
+                state: ShardLock::new(ShardState {
                     policy: self.factory.make(stream),
                     uses: FxHashMap::default(),
                     pending: Vec::new(),
