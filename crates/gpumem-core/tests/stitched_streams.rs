@@ -268,3 +268,78 @@ fn two_stream_trace_respects_stream_order() {
 fn two_stream_trace_respects_stream_order_with_no_spare_pages() {
     assert!(replay_prefetch("policy:stitched,slack:0") > 0);
 }
+
+/// Stale virtual pages are unmapped ahead of need, once their stream's event has completed and
+/// never before; touching them again then needs no host wait.
+#[test]
+fn stale_pages_are_retired_after_their_event_without_waiting() {
+    use gpumem_core::backend::DriverCall;
+    let (sim, ctl) = SimBackend::new(SimConfig {
+        total_bytes: 1 << 30,
+        event_mode: EventMode::Manual,
+        audit: true,
+        ..SimConfig::default()
+    });
+    let alloc = Allocator::new(Box::new(sim), Config::parse("policy:stitched").unwrap()).unwrap();
+    let (a, b): (Stream, Stream) = (0x100, 0x200);
+    let syncs = |al: &Allocator| al.driver_calls().count(DriverCall::EventSynchronize);
+    let unmaps = |al: &Allocator| al.driver_calls().count(DriverCall::MemUnmap);
+
+    // Stream a uses four pages and lets go of them.
+    let x = alloc.allocate(4 * PAGE, a).unwrap();
+    let a_va = x.ptr;
+    alloc.free_allocation(&x).unwrap();
+    ctl.take_recorded();
+    // Stream b needs four pages: the pool is at its peak, so it takes a's idle ones; a's
+    // virtual pages go stale and an event is recorded on a for them.
+    let y = alloc.allocate(4 * PAGE, b).unwrap();
+    let on_a: Vec<EventHandle> = ctl
+        .take_recorded()
+        .into_iter()
+        .filter(|&(_, s)| s == a)
+        .map(|(e, _)| e)
+        .collect();
+    assert!(
+        !on_a.is_empty(),
+        "no event recorded on the stale pages' stream"
+    );
+    assert!(ctl.handle_at(a_va).is_some(), "still mapped (stale alias)");
+    let (syncs0, unmaps0) = (syncs(&alloc), unmaps(&alloc));
+
+    // A slow path before a's event has completed must leave a's pages mapped.
+    let z = alloc.allocate(2 * PAGE, b).unwrap();
+    assert!(
+        ctl.handle_at(a_va).is_some(),
+        "unmapped before its event completed"
+    );
+    assert_eq!(unmaps(&alloc), unmaps0);
+
+    // Once it has completed, the next slow path unmaps them without waiting.
+    for e in on_a {
+        ctl.complete(e);
+    }
+    let w = alloc.allocate(2 * PAGE, b).unwrap();
+    for p in 0..4 {
+        assert!(
+            ctl.handle_at(a_va + p * PAGE).is_none(),
+            "stale page {p} still mapped"
+        );
+    }
+    assert!(unmaps(&alloc) > unmaps0);
+    assert_eq!(syncs(&alloc), syncs0, "retiring waited on the host");
+
+    // b lets go; a touches its pages again: mapped afresh, no host wait, no extra unmap.
+    let unmaps1 = unmaps(&alloc);
+    for blk in [y, z, w] {
+        alloc.free_allocation(&blk).unwrap();
+    }
+    ctl.complete_recorded();
+    let x2 = alloc.allocate(4 * PAGE, a).unwrap();
+    assert_eq!(x2.ptr, a_va, "same place as before");
+    assert_eq!(syncs(&alloc), syncs0);
+    assert_eq!(unmaps(&alloc), unmaps1);
+    for p in 0..4 {
+        assert!(ctl.handle_at(a_va + p * PAGE).is_some());
+    }
+    alloc.free_allocation(&x2).unwrap();
+}
