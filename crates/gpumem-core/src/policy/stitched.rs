@@ -22,12 +22,6 @@
 //! its stream has finished the work queued before (an event is recorded and waited for); a
 //! physical page last used by another stream is handed over through an event that the new
 //! stream waits for on the device.
-//!
-//! Stale aliases are retired ahead of need: when an idle page is taken for a new virtual page,
-//! its other virtual pages become stale, and an event is recorded on each of their streams.
-//! Later slow paths unmap the stale pages whose events have completed, without waiting; so
-//! when such a virtual page is touched again it is usually unmapped already and the host does
-//! not have to wait for the GPU (which drains a pipelined stream) before remapping it.
 
 use super::blocks::{BlockSet, State, NIL};
 use super::segmented::round_size;
@@ -70,22 +64,7 @@ struct Local {
     /// Events recorded on this stream by recent slow paths, with the pool epoch of each: a
     /// page that went idle before one that has completed can be unmapped without waiting.
     events: std::collections::VecDeque<(u64, crate::backend::EventHandle)>,
-    /// Virtual page -> times it was claimed (wrapping): a stale page is retired only if it
-    /// has not been claimed since it went stale, so its retiring event covers its last use.
-    vgen: Vec<u32>,
 }
-
-/// Stale virtual pages of one stream waiting for an event on that stream before they are
-/// unmapped: (virtual page, its `vgen` when it went stale).
-struct Retiring {
-    shard: u32,
-    event: crate::backend::EventHandle,
-    pages: Vec<(u32, u32)>,
-}
-
-/// Most batches of stale pages waiting for their events. Beyond it the oldest is forgotten
-/// (its pages are unmapped when touched, waiting then if need be).
-const RETIRING_MAX: usize = 32;
 
 /// Recent events kept per stream.
 const EPOCH_EVENTS: usize = 4;
@@ -104,10 +83,6 @@ struct Pages {
     shards: Vec<Arc<ShardPages>>,
     /// Highest total of pages in use seen by a slow path.
     peak_seen: u64,
-    /// Stale virtual pages waiting for their stream's event, oldest first.
-    retiring: std::collections::VecDeque<Retiring>,
-    /// Stale virtual pages unmapped ahead of need (without waiting).
-    retired: u64,
 }
 
 /// Physical pages shared by the stitched policy's streams on one device.
@@ -149,8 +124,6 @@ impl PagePool {
                 remaps: 0,
                 shards: Vec::new(),
                 peak_seen: 0,
-                retiring: std::collections::VecDeque::new(),
-                retired: 0,
             }),
             epoch: AtomicU64::new(0),
             page: info.page_bytes,
@@ -187,7 +160,6 @@ impl PagePool {
                 busy: 0,
                 peak_busy: 0,
                 events: std::collections::VecDeque::new(),
-                vgen: vec![0; pages as usize],
             }),
         });
         p.shards.push(sh.clone());
@@ -215,7 +187,6 @@ impl PagePool {
         {
             let mut l = mine.local.lock();
             for &v in vpages {
-                l.vgen[v as usize] = l.vgen[v as usize].wrapping_add(1);
                 let slot = l.map[v as usize];
                 if slot != NONE && l.idle.contains(slot) {
                     l.idle.remove(slot);
@@ -257,7 +228,6 @@ impl PagePool {
         let mut all = Self::lock_all(&shards);
         let mut d = dev.lock();
         let m = me as usize;
-        Self::retire_stale(&mut p, &mut all, &mut d, self.page)?;
         // The peak of pages in use across streams: the highest total a slow path has seen,
         // and no less than any one stream's own peak (exact with one stream; with several it
         // may be low, which costs remaps, never memory).
@@ -439,41 +409,6 @@ impl PagePool {
                 }
             }
         }
-        // The other virtual pages of every page taken from an idle list are stale now: queue
-        // them for unmapping once their stream's work up to now has completed.
-        let mut stale_by_shard: Vec<(u32, u32, u32)> = Vec::new(); // (shard, vpage, vgen)
-        for &(v, s) in &picked {
-            if !taken.iter().any(|&(t, _)| t == s) {
-                continue;
-            }
-            let ph = p.phys[s as usize].as_ref().expect("picked slot");
-            for &(sh, av) in &ph.aliases {
-                if (sh, av) != (me, v) {
-                    stale_by_shard.push((sh, av, all.guards[sh as usize].vgen[av as usize]));
-                }
-            }
-        }
-        stale_by_shard.sort_unstable();
-        let mut i = 0;
-        while i < stale_by_shard.len() {
-            let sh = stale_by_shard[i].0;
-            let mut pages = Vec::new();
-            while i < stale_by_shard.len() && stale_by_shard[i].0 == sh {
-                pages.push((stale_by_shard[i].1, stale_by_shard[i].2));
-                i += 1;
-            }
-            let event = d.event_record(p.shards[sh as usize].stream)?;
-            p.retiring.push_back(Retiring {
-                shard: sh,
-                event,
-                pages,
-            });
-            if p.retiring.len() > RETIRING_MAX {
-                if let Some(old) = p.retiring.pop_front() {
-                    d.event_destroy(old.event);
-                }
-            }
-        }
         // Mark this point of the stream's work for later remaps (see above).
         let ev = d.event_record(stream)?;
         let events = &mut all.guards[m].events;
@@ -481,64 +416,6 @@ impl PagePool {
         if events.len() > EPOCH_EVENTS {
             if let Some((_, old)) = events.pop_front() {
                 d.event_destroy(old);
-            }
-        }
-        Ok(())
-    }
-
-    /// Unmaps the queued stale virtual pages whose stream event has completed (never waits).
-    /// A page is unmapped only if it was not claimed since it went stale and its physical
-    /// page is in use elsewhere (an alias of an idle page may still be taken over).
-    fn retire_stale(
-        p: &mut Pages,
-        all: &mut AllLocals,
-        d: &mut DeviceState,
-        page: u64,
-    ) -> Result<(), BackendError> {
-        if p.retiring.is_empty() {
-            return Ok(());
-        }
-        // Events of one stream complete in order: stop at a stream's first pending one.
-        let mut blocked: Vec<u32> = Vec::new();
-        let mut done: Vec<usize> = Vec::new();
-        for (i, r) in p.retiring.iter().enumerate() {
-            if blocked.contains(&r.shard) {
-                continue;
-            }
-            if d.event_query(r.event)? {
-                done.push(i);
-            } else {
-                blocked.push(r.shard);
-            }
-        }
-        for &i in done.iter().rev() {
-            let r = p.retiring.remove(i).expect("index from the scan");
-            d.event_destroy(r.event);
-            let mut unmap: Vec<u32> = Vec::new();
-            for (v, gen) in r.pages {
-                let l = &all.guards[r.shard as usize];
-                let s = l.map[v as usize];
-                if s == NONE || l.vgen[v as usize] != gen {
-                    continue; // unmapped or claimed again since it went stale
-                }
-                let owner = p.phys[s as usize].as_ref().expect("mapped slot").owner;
-                if !all.guards[owner as usize].idle.contains(s) {
-                    unmap.push(v);
-                }
-            }
-            unmap.sort_unstable();
-            let base = p.shards[r.shard as usize].base;
-            for run in runs(&unmap) {
-                d.unmap(base + run.0 as u64 * page, run.1 as u64 * page)?;
-            }
-            let l = &mut all.guards[r.shard as usize];
-            for &v in &unmap {
-                let s = l.map[v as usize];
-                l.map[v as usize] = NONE;
-                if let Some(ph) = p.phys[s as usize].as_mut() {
-                    ph.aliases.retain(|&a| a != (r.shard, v));
-                }
-                p.retired += 1;
             }
         }
         Ok(())
