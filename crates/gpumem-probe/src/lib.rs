@@ -519,9 +519,18 @@ mod tests {
             r.errors,
             r.failed_checks
         );
-        assert_eq!(r.latency.len(), 5);
+        assert_eq!(r.latency.len(), 6);
         let lat = |l: &str| r.latency_of(l).unwrap().cycles.median;
         assert!(lat("shared") < lat("L1") && lat("L1") < lat("L2") && lat("L2") < lat("HBM"));
+        // A line read before answers at least as fast as one read for the first time, and
+        // both come from L2, well under HBM.
+        assert!(lat("L1") < lat("L2 (re-read)") && lat("L2 (re-read)") <= lat("L2"));
+        assert!(
+            lat("L2") < 0.75 * lat("HBM"),
+            "first-read L2 {} vs HBM {}",
+            lat("L2"),
+            lat("HBM")
+        );
         let copy = r.hbm_copy_peak.as_ref().unwrap().gbps;
         if let Some(t) = &r.theoretical {
             assert!(
@@ -536,6 +545,6 @@ mod tests {
         assert_eq!(r.elementwise.len(), 3);
         let json = serde_json::to_string(&r).unwrap();
         let back: ProbeReport = serde_json::from_str(&json).unwrap();
-        assert_eq!(back.latency.len(), 5);
+        assert_eq!(back.latency.len(), 6);
     }
 }
