@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Cost of the CUDA virtual-memory calls by physical chunk size: 1 GiB mapped as N chunks.
+Run on a machine with an NVIDIA driver: python3 scripts/vmm_cost.py (no other dependency).
+Is cuMemSetAccess (and map/unmap) paid per chunk (handle) or per byte?"""
+import ctypes, time, json
+from ctypes import c_int, c_uint, c_ubyte, c_ushort, c_void_p, c_size_t, c_ulonglong, byref, Structure
+
+cu = ctypes.CDLL("libcuda.so.1")
+def ck(r, what):
+    if r != 0:
+        raise RuntimeError(f"{what}: CUresult {r}")
+class Loc(Structure): _fields_ = [("type", c_int), ("id", c_int)]
+class Flags(Structure): _fields_ = [("compressionType", c_ubyte), ("gpuDirectRDMACapable", c_ubyte), ("usage", c_ushort), ("reserved", c_ubyte * 4)]
+class Prop(Structure): _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", Loc), ("win32HandleMetaData", c_void_p), ("allocFlags", Flags)]
+class Access(Structure): _fields_ = [("location", Loc), ("flags", c_int)]
+ck(cu.cuInit(0), "cuInit")
+dev = c_int(); ck(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
+ctx = c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(byref(ctx), dev), "retain"); ck(cu.cuCtxSetCurrent(ctx), "setcurrent")
+prop = Prop(); prop.type = 1; prop.location.type = 1; prop.location.id = 0
+acc = Access(); acc.location.type = 1; acc.location.id = 0; acc.flags = 3
+cu.cuMemAddressReserve.argtypes = [ctypes.POINTER(c_ulonglong), c_size_t, c_size_t, c_ulonglong, c_ulonglong]
+cu.cuMemCreate.argtypes = [ctypes.POINTER(c_ulonglong), c_size_t, ctypes.POINTER(Prop), c_ulonglong]
+cu.cuMemMap.argtypes = [c_ulonglong, c_size_t, c_size_t, c_ulonglong, c_ulonglong]
+cu.cuMemSetAccess.argtypes = [c_ulonglong, c_size_t, ctypes.POINTER(Access), c_size_t]
+cu.cuMemUnmap.argtypes = [c_ulonglong, c_size_t]
+cu.cuMemRelease.argtypes = [c_ulonglong]
+cu.cuMemAddressFree.argtypes = [c_ulonglong, c_size_t]
+TOTAL = 1 << 30
+MIB = 1 << 20
+def run(chunk, access_per_chunk):
+    n = TOTAL // chunk
+    va = c_ulonglong(); ck(cu.cuMemAddressReserve(byref(va), TOTAL, 0, 0, 0), "reserve")
+    hs = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        h = c_ulonglong(); ck(cu.cuMemCreate(byref(h), chunk, byref(prop), 0), "create"); hs.append(h.value)
+    t1 = time.perf_counter()
+    for i, h in enumerate(hs):
+        ck(cu.cuMemMap(va.value + i * chunk, chunk, 0, h, 0), "map")
+    t2 = time.perf_counter()
+    if access_per_chunk:
+        for i in range(n):
+            ck(cu.cuMemSetAccess(va.value + i * chunk, chunk, byref(acc), 1), "access")
+    else:
+        ck(cu.cuMemSetAccess(va.value, TOTAL, byref(acc), 1), "access")
+    t3 = time.perf_counter()
+    ck(cu.cuMemUnmap(va.value, TOTAL), "unmap")
+    t4 = time.perf_counter()
+    for h in hs:
+        ck(cu.cuMemRelease(h), "release")
+    t5 = time.perf_counter()
+    ck(cu.cuMemAddressFree(va.value, TOTAL), "free")
+    ms = lambda a, b: round((b - a) * 1e3, 2)
+    return {"chunk_MiB": chunk // MIB, "chunks": n, "access_per_chunk": access_per_chunk,
+            "create_ms": ms(t0, t1), "map_ms": ms(t1, t2), "set_access_ms": ms(t2, t3),
+            "unmap_ms": ms(t3, t4), "release_ms": ms(t4, t5)}
+run(2 * MIB, False)  # warm-up
+print(f"{'chunk':>6} {'n':>4} {'access':>8} {'create':>8} {'map':>7} {'access':>8} {'unmap':>7} {'release':>8}  (ms for 1 GiB)")
+for chunk in (2 * MIB, 8 * MIB, 32 * MIB, 128 * MIB, 1024 * MIB):
+    for per in (False, True):
+        if chunk == 1024 * MIB and per:
+            continue
+        r = run(chunk, per)
+        print(f"{r['chunk_MiB']:>5}M {r['chunks']:>4} {'each' if per else 'once':>8} {r['create_ms']:>8} {r['map_ms']:>7} {r['set_access_ms']:>8} {r['unmap_ms']:>7} {r['release_ms']:>8}")
