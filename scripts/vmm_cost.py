@@ -2,7 +2,8 @@
 """Cost of the CUDA virtual-memory calls by physical chunk size: 1 GiB mapped as N chunks.
 Run on a machine with an NVIDIA driver: python3 scripts/vmm_cost.py (no other dependency).
 Is cuMemSetAccess (and map/unmap) paid per chunk (handle) or per byte?"""
-import ctypes, time, json
+import ctypes
+import time
 from ctypes import c_int, c_uint, c_ubyte, c_ushort, c_void_p, c_size_t, c_ulonglong, byref, Structure
 
 cu = ctypes.CDLL("libcuda.so.1")
