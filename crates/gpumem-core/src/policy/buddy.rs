@@ -28,6 +28,15 @@ struct Arena {
     pool: Pool,
 }
 
+/// What free-list operations need of a block's arena.
+#[derive(Clone, Copy)]
+struct Spot {
+    seq: u64,
+    base: u64,
+    order: u32,
+    pool: Pool,
+}
+
 struct Live {
     order: u32,
     requested: u64,
@@ -76,28 +85,32 @@ impl Buddy {
             .filter(|a| addr < a.base + (1u64 << a.order))
     }
 
-    fn push_free(&mut self, addr: u64, order: u32) {
+    /// The arena of `addr` as push/take need it (looked up once per operation).
+    fn spot(&self, addr: u64) -> Spot {
         let a = self.arena_of(addr);
-        let key = (a.seq, addr);
-        self.free[order as usize].insert(key);
-        let a = self.arena_of(addr);
-        if order < a.order {
-            let pool = a.pool;
-            self.stats.inactive_split.inc(pool, 1);
-            self.stats.inactive_split_bytes.inc(pool, 1 << order);
+        Spot {
+            seq: a.seq,
+            base: a.base,
+            order: a.order,
+            pool: a.pool,
         }
     }
 
-    fn take_free(&mut self, addr: u64, order: u32) -> bool {
-        let key = (self.arena_of(addr).seq, addr);
-        if !self.free[order as usize].remove(&key) {
+    fn push_free(&mut self, at: Spot, addr: u64, order: u32) {
+        self.free[order as usize].insert((at.seq, addr));
+        if order < at.order {
+            self.stats.inactive_split.inc(at.pool, 1);
+            self.stats.inactive_split_bytes.inc(at.pool, 1 << order);
+        }
+    }
+
+    fn take_free(&mut self, at: Spot, addr: u64, order: u32) -> bool {
+        if !self.free[order as usize].remove(&(at.seq, addr)) {
             return false;
         }
-        let a = self.arena_of(addr);
-        if order < a.order {
-            let pool = a.pool;
-            self.stats.inactive_split.dec(pool, 1);
-            self.stats.inactive_split_bytes.dec(pool, 1 << order);
+        if order < at.order {
+            self.stats.inactive_split.dec(at.pool, 1);
+            self.stats.inactive_split_bytes.dec(at.pool, 1 << order);
         }
         true
     }
@@ -140,10 +153,11 @@ impl Policy for Buddy {
                 (aorder, base)
             }
         };
-        self.take_free(addr, k);
+        let at = self.spot(addr);
+        self.take_free(at, addr, k);
         while k > order {
             k -= 1;
-            self.push_free(addr + (1 << k), k);
+            self.push_free(at, addr + (1 << k), k);
         }
         self.live.insert(
             addr,
@@ -192,20 +206,18 @@ impl Policy for Buddy {
         self.stats.active.dec(l.pool, 1);
         self.stats.active_bytes.dec(l.pool, bytes);
         self.stats.requested_bytes.dec(l.pool, l.requested);
-        let (base, aorder) = {
-            let a = self.arena_of(addr);
-            (a.base, a.order)
-        };
+        let at = self.spot(addr);
+        let base = at.base;
         let (mut addr, mut order) = (addr, l.order);
-        while order < aorder {
+        while order < at.order {
             let buddy = base + ((addr - base) ^ (1 << order));
-            if !self.take_free(buddy, order) {
+            if !self.take_free(at, buddy, order) {
                 break;
             }
             addr = addr.min(buddy);
             order += 1;
         }
-        self.push_free(addr, order);
+        self.push_free(at, addr, order);
         Ok(())
     }
 
