@@ -170,6 +170,31 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
+    #[inline]
+    pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.allocation.inc(pool, 1);
+        self.allocated_bytes.inc(pool, bytes);
+        self.active.inc(pool, 1);
+        self.active_bytes.inc(pool, bytes);
+        self.requested_bytes.inc(pool, requested);
+    }
+
+    /// The user freed it: no longer allocated, still active until its stream uses are done.
+    #[inline]
+    pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
+        self.allocation.dec(pool, 1);
+        self.allocated_bytes.dec(pool, bytes);
+    }
+
+    /// It is reusable: no longer active either.
+    #[inline]
+    pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.active.dec(pool, 1);
+        self.active_bytes.dec(pool, bytes);
+        self.requested_bytes.dec(pool, requested);
+    }
+
     /// Adds the block statistics of `other` (another stream's shard) into `self`. Current
     /// values, totals and counters add exactly; peaks add too, which makes the combined peak
     /// an upper bound of the true device-wide peak when several streams allocate.

@@ -401,12 +401,7 @@ impl BlockSet {
         b.pool = pool;
         let size = b.size;
         self.index(id);
-        let st = &mut self.stats;
-        st.allocation.inc(pool, 1);
-        st.allocated_bytes.inc(pool, size);
-        st.active.inc(pool, 1);
-        st.active_bytes.inc(pool, size);
-        st.requested_bytes.inc(pool, requested);
+        self.stats.block_handed_out(pool, size, requested);
         id
     }
 
@@ -444,8 +439,7 @@ impl BlockSet {
         debug_assert_eq!(b.state, State::Allocated);
         b.state = State::Pending;
         let (pool, size) = (b.pool, b.size);
-        self.stats.allocation.dec(pool, 1);
-        self.stats.allocated_bytes.dec(pool, size);
+        self.stats.block_freed(pool, size);
     }
 
     /// A pending block becomes reusable (PyTorch's `free_block`): it merges with free
@@ -460,10 +454,7 @@ impl BlockSet {
     fn stop_being_active(&mut self, id: u32) {
         let b = self.block(id);
         let (pool, size, requested) = (b.pool, b.size, b.requested);
-        let st = &mut self.stats;
-        st.active.dec(pool, 1);
-        st.active_bytes.dec(pool, size);
-        st.requested_bytes.dec(pool, requested);
+        self.stats.block_released(pool, size, requested);
     }
 
     /// A pending or cached block becomes a free block: merged with free neighbours, indexed,
@@ -605,12 +596,7 @@ impl BlockSet {
         b.state = State::Allocated;
         b.requested = requested;
         b.pool = pool;
-        let st = &mut self.stats;
-        st.allocation.inc(pool, 1);
-        st.allocated_bytes.inc(pool, size);
-        st.active.inc(pool, 1);
-        st.active_bytes.inc(pool, size);
-        st.requested_bytes.inc(pool, requested);
+        self.stats.block_handed_out(pool, size, requested);
         id
     }
 

@@ -169,12 +169,7 @@ impl Policy for Buddy {
             },
         );
         let bytes = 1u64 << order;
-        let st = &mut self.stats;
-        st.allocation.inc(pool, 1);
-        st.allocated_bytes.inc(pool, bytes);
-        st.active.inc(pool, 1);
-        st.active_bytes.inc(pool, bytes);
-        st.requested_bytes.inc(pool, size);
+        self.stats.block_handed_out(pool, bytes, size);
         Ok(Placement {
             addr,
             size: bytes,
@@ -189,8 +184,7 @@ impl Policy for Buddy {
         }
         l.pending = true;
         let (pool, bytes) = (l.pool, 1u64 << l.order);
-        self.stats.allocation.dec(pool, 1);
-        self.stats.allocated_bytes.dec(pool, bytes);
+        self.stats.block_freed(pool, bytes);
         Some(bytes)
     }
 
@@ -203,9 +197,7 @@ impl Policy for Buddy {
         }
         let l = self.live.remove(&addr).expect("present");
         let bytes = 1u64 << l.order;
-        self.stats.active.dec(l.pool, 1);
-        self.stats.active_bytes.dec(l.pool, bytes);
-        self.stats.requested_bytes.dec(l.pool, l.requested);
+        self.stats.block_released(l.pool, bytes, l.requested);
         let at = self.spot(addr);
         let base = at.base;
         let (mut addr, mut order) = (addr, l.order);
