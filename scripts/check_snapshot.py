@@ -73,9 +73,12 @@ def expect(cond, what):
         raise Failed(what)
 
 
-def check_fields(obj, keys, where, optional=None):
+def check_fields(obj, keys, where, optional=None, exact=False):
     expect(isinstance(obj, dict), f"{where}: not a dict but {type(obj).__name__}")
     optional = optional or {}
+    if exact:
+        extra = set(obj) - set(keys) - set(optional)
+        expect(not extra, f"{where}: keys PyTorch does not write: {sorted(extra)}")
     for k, t in keys.items():
         expect(k in obj, f"{where}: no key {k!r} (has {sorted(obj)})")
         v = obj[k]
@@ -87,15 +90,23 @@ def check_fields(obj, keys, where, optional=None):
             expect(isinstance(obj[k], t), f"{where}: {k!r} is {type(obj[k]).__name__}")
 
 
-def check_frames(frames, where):
+def check_frames(frames, where, exact=False):
     for i, fr in enumerate(frames):
-        check_fields(fr, FRAME_KEYS, f"{where} frame {i}")
+        check_fields(fr, FRAME_KEYS, f"{where} frame {i}", exact=exact)
 
 
-def check(data):
+TOP_KEYS = ("segments", "device_traces", "allocator_settings", "external_annotations")
+
+
+def check(data, exact=False):
+    """Raises Failed at the first departure from PyTorch's shape. `exact`: no key beyond
+    PyTorch's either (for snapshots gpumem writes, whose entries carry no optional key but
+    frames); without it, keys are compared with a reference snapshot instead (--reference)."""
     expect(isinstance(data, dict), "the snapshot is not a dict")
-    for k in ("segments", "device_traces", "allocator_settings", "external_annotations"):
+    for k in TOP_KEYS:
         expect(k in data, f"no top-level key {k!r}")
+    if exact:
+        expect(set(data) == set(TOP_KEYS), f"top-level keys {sorted(data)}")
     expect(isinstance(data["segments"], list), "segments is not a list")
     expect(isinstance(data["device_traces"], list), "device_traces is not a list")
     expect(isinstance(data["allocator_settings"], dict), "allocator_settings is not a dict")
@@ -103,17 +114,17 @@ def check(data):
     nblocks = 0
     for i, s in enumerate(data["segments"]):
         where = f"segment {i}"
-        check_fields(s, SEGMENT_KEYS, where)
+        check_fields(s, SEGMENT_KEYS, where, exact=exact)
         expect(s["segment_type"] in ("small", "large"), f"{where}: segment_type {s['segment_type']!r}")
         addr = s["address"]
         alloc = active = req = 0
         for j, b in enumerate(s["blocks"]):
             bw = f"{where} block {j}"
-            check_fields(b, BLOCK_KEYS, bw)
+            check_fields(b, BLOCK_KEYS, bw, exact=exact)
             expect(b["state"] in STATES, f"{bw}: state {b['state']!r}")
             expect(b["address"] == addr, f"{bw}: at {b['address']:#x}, expected {addr:#x}")
             expect(b["size"] > 0, f"{bw}: empty block")
-            check_frames(b["frames"], bw)
+            check_frames(b["frames"], bw, exact)
             addr += b["size"]
             if b["state"] == "active_allocated":
                 alloc += b["size"]
@@ -127,16 +138,17 @@ def check(data):
         expect(s["active_size"] == active, f"{where}: active_size {s['active_size']} != {active}")
         expect(s["requested_size"] == req, f"{where}: requested_size {s['requested_size']} != {req}")
     nentries = 0
+    entry_optional = {"frames": list} if exact else ENTRY_OPTIONAL
     for d, entries in enumerate(data["device_traces"]):
         expect(isinstance(entries, list), f"device_traces[{d}] is not a list")
         for i, e in enumerate(entries):
             where = f"device {d} entry {i}"
             keys = dict(ENTRY_KEYS)
             keys["device_free" if e.get("action") == "oom" else "addr"] = int
-            check_fields(e, keys, where, ENTRY_OPTIONAL)
+            check_fields(e, keys, where, entry_optional, exact)
             expect(e["action"] in ACTIONS, f"{where}: action {e['action']!r}")
             if "frames" in e:
-                check_frames(e["frames"], where)
+                check_frames(e["frames"], where, exact)
             nentries += 1
     return nblocks, nentries
 

@@ -15,6 +15,9 @@ import textwrap
 
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+import check_snapshot  # noqa: E402  (scripts/check_snapshot.py: PyTorch's snapshot shape)
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -120,26 +123,6 @@ COLUMNS = ["current", "peak", "allocated", "freed"]
 SIZE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 COUNT_UNITS = {"": 1, "K": 1000, "M": 1000**2}
 
-# The keys and value types of torch.cuda.memory._snapshot() (PyTorch 2.11,
-# torch/csrc/cuda/memory_snapshot.cpp).
-SEGMENT_TYPES = {
-    "device": int,
-    "address": int,
-    "total_size": int,
-    "allocated_size": int,
-    "active_size": int,
-    "requested_size": int,
-    "stream": int,
-    "segment_type": str,
-    "segment_pool_id": tuple,
-    "is_expandable": bool,
-    "frames": list,
-    "blocks": list,
-}
-BLOCK_TYPES = {"address": int, "size": int, "requested_size": int, "state": str, "frames": list}
-ENTRY_TYPES = {"action": str, "addr": int, "size": int, "stream": int, "time_us": int}
-
-
 def parse_summary(text):
     """{(row label, "all" | "large" | "small"): [current, peak, allocated, freed]}, each cell
     as (number, unit)."""
@@ -182,33 +165,12 @@ def check_summary_against_stats(text, stats, abbreviated=False):
 
 
 def check_snapshot_shape(snap):
-    assert set(snap) == {"segments", "device_traces", "allocator_settings", "external_annotations"}
-    assert isinstance(snap["device_traces"], list) and all(isinstance(t, list) for t in snap["device_traces"])
-    for seg in snap["segments"]:
-        assert set(seg) == set(SEGMENT_TYPES), set(seg) ^ set(SEGMENT_TYPES)
-        for k, t in SEGMENT_TYPES.items():
-            assert isinstance(seg[k], t), (k, seg[k])
-        assert seg["segment_type"] in ("small", "large")
-        # Blocks tile their segment, in address order.
-        at = seg["address"]
-        for b in seg["blocks"]:
-            assert set(b) == set(BLOCK_TYPES)
-            for k, t in BLOCK_TYPES.items():
-                assert isinstance(b[k], t), (k, b[k])
-            assert b["state"] in ("active_allocated", "active_pending_free", "inactive")
-            assert b["address"] == at
-            at += b["size"]
-        assert at == seg["address"] + seg["total_size"]
-        allocated = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
-        assert seg["allocated_size"] == sum(b["size"] for b in allocated)
-    for trace in snap["device_traces"]:
-        for e in trace:
-            keys = dict(ENTRY_TYPES)
-            if e["action"] == "oom":
-                keys["device_free"] = keys.pop("addr")
-            assert set(keys) <= set(e) <= set(keys) | {"frames"}, e
-            for k, t in keys.items():
-                assert isinstance(e[k], t), (k, e)
+    """The shape of torch.cuda.memory._snapshot(), exactly: scripts/check_snapshot.py's check
+    (the one the GPU scripts run on snapshots PyTorch and gpumem wrote)."""
+    try:
+        check_snapshot.check(snap, exact=True)
+    except check_snapshot.Failed as e:
+        raise AssertionError(str(e)) from None
 
 
 def live_blocks(snap):
