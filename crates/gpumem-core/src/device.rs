@@ -260,17 +260,20 @@ impl DeviceState {
         }
     }
 
-    /// Runs one backend call, adding its wall time to the calls' measured time.
-    fn timed<T>(&mut self, kind: DriverCall, f: impl FnOnce(&mut dyn Backend) -> T) -> T {
+    /// Runs one backend call covering `bytes`: counted (with its estimated cost) and its wall
+    /// time added to the calls' measured time.
+    fn call<T>(
+        &mut self,
+        kind: DriverCall,
+        bytes: u64,
+        f: impl FnOnce(&mut dyn Backend) -> T,
+    ) -> T {
+        let pages = bytes.div_ceil(self.info.page_bytes.max(1));
+        self.calls.add(kind, pages, &self.cost);
         let t = Instant::now();
         let r = f(self.backend.as_mut());
         self.calls.add_measured(kind, t.elapsed());
         r
-    }
-
-    fn count(&mut self, kind: DriverCall, bytes: u64) {
-        let pages = bytes.div_ceil(self.info.page_bytes.max(1));
-        self.calls.add(kind, pages, &self.cost);
     }
 
     fn check_cap(&self, call: DriverCall, bytes: u64) -> Result<(), BackendError> {
@@ -308,15 +311,13 @@ impl DeviceState {
             return Ok(());
         }
         if plain {
-            self.count(DriverCall::MemAlloc, bytes);
-            let ptr = self.timed(DriverCall::MemAlloc, |b| b.mem_alloc(bytes))?;
+            let ptr = self.call(DriverCall::MemAlloc, bytes, |b| b.mem_alloc(bytes))?;
             self.reserve.segment = Some((ptr, bytes));
             self.reserve.free_ranges.insert(ptr, bytes);
         } else {
             let page = self.page();
             for _ in 0..bytes / page {
-                self.count(DriverCall::MemCreate, page);
-                let h = self.timed(DriverCall::MemCreate, |b| b.mem_create(page))?;
+                let h = self.call(DriverCall::MemCreate, page, |b| b.mem_create(page))?;
                 self.reserve.pages.push(h);
             }
         }
@@ -354,8 +355,7 @@ impl DeviceState {
             return Ok(p);
         }
         self.check_cap(DriverCall::MemAlloc, bytes)?;
-        self.count(DriverCall::MemAlloc, bytes);
-        let ptr = self.timed(DriverCall::MemAlloc, |b| b.mem_alloc(bytes))?;
+        let ptr = self.call(DriverCall::MemAlloc, bytes, |b| b.mem_alloc(bytes))?;
         self.gain(bytes, pool);
         if let Some(log) = self.segment_log.as_mut() {
             log.push(bytes);
@@ -379,8 +379,7 @@ impl DeviceState {
                 return Ok(());
             }
         }
-        self.count(DriverCall::MemFree, bytes);
-        self.timed(DriverCall::MemFree, |b| b.mem_free(ptr, bytes))?;
+        self.call(DriverCall::MemFree, bytes, |b| b.mem_free(ptr, bytes))?;
         self.lose(bytes, pool);
         self.trace(SegmentAction::Free, ptr, bytes);
         Ok(())
@@ -403,14 +402,12 @@ impl DeviceState {
 
     /// Reserves a virtual range.
     pub fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
-        self.count(DriverCall::AddressReserve, 0);
-        self.timed(DriverCall::AddressReserve, |b| b.address_reserve(bytes))
+        self.call(DriverCall::AddressReserve, 0, |b| b.address_reserve(bytes))
     }
 
     /// Returns a virtual range.
     pub fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.count(DriverCall::AddressFree, 0);
-        self.timed(DriverCall::AddressFree, |b| b.address_free(va, bytes))
+        self.call(DriverCall::AddressFree, 0, |b| b.address_free(va, bytes))
     }
 
     /// A physical page for `pool`: from the preallocated reserve if any is left, else created.
@@ -425,8 +422,7 @@ impl DeviceState {
             return Ok(h);
         }
         self.check_cap(DriverCall::MemCreate, page)?;
-        self.count(DriverCall::MemCreate, page);
-        let h = self.timed(DriverCall::MemCreate, |b| b.mem_create(page))?;
+        let h = self.call(DriverCall::MemCreate, page, |b| b.mem_create(page))?;
         self.gain(page, pool);
         Ok(h)
     }
@@ -434,8 +430,7 @@ impl DeviceState {
     /// Releases a physical page (which must be unmapped everywhere).
     pub fn release_page(&mut self, h: PhysHandle, pool: Pool) -> Result<(), BackendError> {
         let page = self.page();
-        self.count(DriverCall::MemRelease, page);
-        self.timed(DriverCall::MemRelease, |b| b.mem_release(h))?;
+        self.call(DriverCall::MemRelease, page, |b| b.mem_release(h))?;
         self.lose(page, pool);
         Ok(())
     }
@@ -443,8 +438,7 @@ impl DeviceState {
     /// Creates a physical allocation of several pages at once (one handle).
     pub fn create_chunk(&mut self, bytes: u64, pool: Pool) -> Result<PhysHandle, BackendError> {
         self.check_cap(DriverCall::MemCreate, bytes)?;
-        self.count(DriverCall::MemCreate, bytes);
-        let h = self.timed(DriverCall::MemCreate, |b| b.mem_create(bytes))?;
+        let h = self.call(DriverCall::MemCreate, bytes, |b| b.mem_create(bytes))?;
         self.gain(bytes, pool);
         Ok(h)
     }
@@ -456,50 +450,43 @@ impl DeviceState {
         bytes: u64,
         pool: Pool,
     ) -> Result<(), BackendError> {
-        self.count(DriverCall::MemRelease, bytes);
-        self.timed(DriverCall::MemRelease, |b| b.mem_release(h))?;
+        self.call(DriverCall::MemRelease, bytes, |b| b.mem_release(h))?;
         self.lose(bytes, pool);
         Ok(())
     }
 
     /// Maps a physical allocation of `bytes` at `va`.
     pub fn map(&mut self, va: DevPtr, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
-        self.count(DriverCall::MemMap, bytes);
-        self.timed(DriverCall::MemMap, |b| b.mem_map(va, bytes, h))?;
+        self.call(DriverCall::MemMap, bytes, |b| b.mem_map(va, bytes, h))?;
         self.trace(SegmentAction::Map, va, bytes);
         Ok(())
     }
 
     /// Unmaps `[va, va + bytes)`.
     pub fn unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.count(DriverCall::MemUnmap, bytes);
-        self.timed(DriverCall::MemUnmap, |b| b.mem_unmap(va, bytes))?;
+        self.call(DriverCall::MemUnmap, bytes, |b| b.mem_unmap(va, bytes))?;
         self.trace(SegmentAction::Unmap, va, bytes);
         Ok(())
     }
 
     /// Grants access to a mapped range.
     pub fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.count(DriverCall::SetAccess, bytes);
-        self.timed(DriverCall::SetAccess, |b| b.set_access(va, bytes))
+        self.call(DriverCall::SetAccess, bytes, |b| b.set_access(va, bytes))
     }
 
     /// Records an event on `stream`.
     pub fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
-        self.count(DriverCall::EventRecord, 0);
-        self.timed(DriverCall::EventRecord, |b| b.event_record(stream))
+        self.call(DriverCall::EventRecord, 0, |b| b.event_record(stream))
     }
 
     /// Whether an event has completed.
     pub fn event_query(&mut self, e: EventHandle) -> Result<bool, BackendError> {
-        self.count(DriverCall::EventQuery, 0);
-        self.timed(DriverCall::EventQuery, |b| b.event_query(e))
+        self.call(DriverCall::EventQuery, 0, |b| b.event_query(e))
     }
 
     /// Waits on the host for an event.
     pub fn event_synchronize(&mut self, e: EventHandle) -> Result<(), BackendError> {
-        self.count(DriverCall::EventSynchronize, 0);
-        self.timed(DriverCall::EventSynchronize, |b| b.event_synchronize(e))
+        self.call(DriverCall::EventSynchronize, 0, |b| b.event_synchronize(e))
     }
 
     /// Destroys an event (not a driver call worth counting: events are pooled).
@@ -513,16 +500,14 @@ impl DeviceState {
         stream: Stream,
         e: EventHandle,
     ) -> Result<(), BackendError> {
-        self.count(DriverCall::StreamWaitEvent, 0);
-        self.timed(DriverCall::StreamWaitEvent, |b| {
+        self.call(DriverCall::StreamWaitEvent, 0, |b| {
             b.stream_wait_event(stream, e)
         })
     }
 
     /// (free, total) bytes of the device.
     pub fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
-        self.count(DriverCall::MemGetInfo, 0);
-        self.timed(DriverCall::MemGetInfo, |b| b.mem_get_info())
+        self.call(DriverCall::MemGetInfo, 0, |b| b.mem_get_info())
     }
 
     /// Bytes of the preallocated reserve not handed out yet.
