@@ -122,8 +122,8 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
 
     // Lay the chain out on the device: upload the compact successor list, expand it.
     let mut chain: CudaSlice<u32> = s.alloc(words, "the pointer-chase set")?;
-    let next_dev = s.gpu.stream.clone_htod(&next).ctx("upload the chain")?;
-    let build = |s: &mut Session, chain: &mut CudaSlice<u32>| -> Result<(), ProbeError> {
+    {
+        let next_dev = s.gpu.stream.clone_htod(&next).ctx("upload the chain")?;
         let f = s.gpu.func("chase_build")?;
         let n = n_lines as u64;
         let cfg = LaunchConfig {
@@ -132,13 +132,12 @@ pub(crate) fn measure(s: &mut Session, spec: &ChaseSpec) -> Result<Latency, Prob
             shared_mem_bytes: 0,
         };
         let mut b = s.gpu.stream.launch_builder(&f);
-        b.arg(chain).arg(&next_dev).arg(&n).arg(&stride_words);
+        b.arg(&mut chain).arg(&next_dev).arg(&n).arg(&stride_words);
         // SAFETY: chase_build(u32* a, const u32* next, u64 n, u32 stride) writes
         // a[i * stride] for i < n (< words, the length of `chain`) and reads next[0..n).
         unsafe { b.launch(cfg) }.ctx("launch chase_build")?;
-        s.gpu.sync()
-    };
-    build(s, &mut chain)?;
+        s.gpu.sync()?;
+    }
     // The pristine copy the Written walks copy the set back from.
     let pristine: Option<CudaSlice<u32>> = if spec.residency == Residency::Written {
         let mut p: CudaSlice<u32> = s.alloc(words, "the pristine chase set")?;
