@@ -607,16 +607,16 @@ def main() -> int:
                 status += f", driver calls {1000 * r['gpumem_driver_s_per_step']:.2f} ms/step"
             print(f"{status} ({r['wall_s']} s, {time.time() - t0:.0f} s in all)", flush=True)
         rounds.append(results)
-    results = rounds[0]
 
     maxbatch = None
     cap_bytes = int(args.cap_gib * GIB)
     if not args.no_maxbatch:
         maxbatch = max_batch_search(allocators, cap_bytes, log_dir, jsonl, budget_s=args.maxbatch_budget_s)
 
-    rows = summarize(results, allocators)
+    per_round = [summarize(r, allocators) for r in rounds]
+    rows = per_round[0]
     if args.repeat > 1:
-        merge_rounds(rows, [summarize(r, allocators) for r in rounds])
+        merge_rounds(rows, per_round)
     summary = {"summary": rows, "maxbatch": maxbatch, "cap_bytes": cap_bytes,
                "anchor_ratios_published": ANCHOR_RATIOS, "wall_s": round(time.time() - t0, 1)}
     jsonl.write(json.dumps(summary) + "\n")
