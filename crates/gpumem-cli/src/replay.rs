@@ -29,6 +29,11 @@ pub struct ReplayArgs {
     /// Memory of the simulated device (default: an H200's 150,109,880,320 bytes).
     #[arg(long, value_parser = parse_bytes)]
     device_memory: Option<u64>,
+    /// Simulated GPU lag: events the policy records complete this many milliseconds of trace
+    /// time later, and host waits are counted only for events not yet complete (default:
+    /// every wait counted, an upper bound).
+    #[arg(long, value_parser = parse_lag_ms)]
+    gpu_lag_ms: Option<f64>,
     /// Which device's events to replay, for multi-GPU snapshots.
     #[arg(long, default_value_t = 0)]
     device_index: u32,
@@ -132,6 +137,7 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
     if let Some(m) = a.device_memory {
         opts.device_total = m;
     }
+    opts.gpu_lag_us = a.gpu_lag_ms.map(|ms| (ms * 1000.0).round() as u64);
     let snapshot_result = a
         .snapshot
         .as_ref()
@@ -251,4 +257,13 @@ fn snapshot_at_end(
 
 fn flate2_writer(f: std::fs::File) -> impl std::io::Write {
     gpumem_core::trace::gzip_writer(f)
+}
+
+fn parse_lag_ms(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=3.6e6).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a lag in milliseconds between 0 and 3,600,000"
+        )),
+    }
 }

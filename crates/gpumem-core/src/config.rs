@@ -9,6 +9,7 @@
 //! | `cap` | bytes | cap on memory held |
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
+//! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
 //! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |
 //! | `leak_check` | 0/1 | track live allocations (for leak reports) |
 //! | `backtraces` | 0/1 | capture a backtrace at each allocation (with history or leak_check) |
@@ -147,6 +148,17 @@ impl Config {
                             AllocError::Config(format!("va_factor:{v}: expected 1..64"))
                         })?
                 }
+                "stream_pages" => {
+                    c.options.own_stream_peaks = match v {
+                        "shared" => false,
+                        "own" => true,
+                        _ => {
+                            return Err(AllocError::Config(format!(
+                                "stream_pages:{v}: expected shared or own"
+                            )))
+                        }
+                    }
+                }
                 "history" => {
                     c.history = v.parse().map_err(|_| {
                         AllocError::Config(format!("history:{v}: expected a number of entries"))
@@ -168,7 +180,7 @@ impl Config {
                 _ => {
                     return Err(AllocError::Config(format!(
                         "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
-                         va_factor, history, leak_check, backtraces, costs)"
+                         va_factor, stream_pages, history, leak_check, backtraces, costs)"
                     )))
                 }
             }

@@ -260,16 +260,17 @@ impl DeviceState {
         }
     }
 
-    /// Runs one backend call covering `bytes`: counted (with its estimated cost) and its wall
-    /// time added to the calls' measured time.
+    /// Runs one backend call covering `bytes` made of `handles` physical handles: counted
+    /// (with its estimated cost) and its wall time added to the calls' measured time.
     fn call<T>(
         &mut self,
         kind: DriverCall,
         bytes: u64,
+        handles: u64,
         f: impl FnOnce(&mut dyn Backend) -> T,
     ) -> T {
         let pages = bytes.div_ceil(self.info.page_bytes.max(1));
-        self.calls.add(kind, pages, &self.cost);
+        self.calls.add(kind, pages, handles, &self.cost);
         let t = Instant::now();
         let r = f(self.backend.as_mut());
         self.calls.add_measured(kind, t.elapsed());
@@ -311,13 +312,13 @@ impl DeviceState {
             return Ok(());
         }
         if plain {
-            let ptr = self.call(DriverCall::MemAlloc, bytes, |b| b.mem_alloc(bytes))?;
+            let ptr = self.call(DriverCall::MemAlloc, bytes, 0, |b| b.mem_alloc(bytes))?;
             self.reserve.segment = Some((ptr, bytes));
             self.reserve.free_ranges.insert(ptr, bytes);
         } else {
             let page = self.page();
             for _ in 0..bytes / page {
-                let h = self.call(DriverCall::MemCreate, page, |b| b.mem_create(page))?;
+                let h = self.call(DriverCall::MemCreate, page, 1, |b| b.mem_create(page))?;
                 self.reserve.pages.push(h);
             }
         }
@@ -355,7 +356,7 @@ impl DeviceState {
             return Ok(p);
         }
         self.check_cap(DriverCall::MemAlloc, bytes)?;
-        let ptr = self.call(DriverCall::MemAlloc, bytes, |b| b.mem_alloc(bytes))?;
+        let ptr = self.call(DriverCall::MemAlloc, bytes, 0, |b| b.mem_alloc(bytes))?;
         self.gain(bytes, pool);
         if let Some(log) = self.segment_log.as_mut() {
             log.push(bytes);
@@ -379,7 +380,7 @@ impl DeviceState {
                 return Ok(());
             }
         }
-        self.call(DriverCall::MemFree, bytes, |b| b.mem_free(ptr, bytes))?;
+        self.call(DriverCall::MemFree, bytes, 0, |b| b.mem_free(ptr, bytes))?;
         self.lose(bytes, pool);
         self.trace(SegmentAction::Free, ptr, bytes);
         Ok(())
@@ -402,12 +403,14 @@ impl DeviceState {
 
     /// Reserves a virtual range.
     pub fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
-        self.call(DriverCall::AddressReserve, 0, |b| b.address_reserve(bytes))
+        self.call(DriverCall::AddressReserve, 0, 0, |b| {
+            b.address_reserve(bytes)
+        })
     }
 
     /// Returns a virtual range.
     pub fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.call(DriverCall::AddressFree, 0, |b| b.address_free(va, bytes))
+        self.call(DriverCall::AddressFree, 0, 0, |b| b.address_free(va, bytes))
     }
 
     /// A physical page for `pool`: from the preallocated reserve if any is left, else created.
@@ -422,7 +425,7 @@ impl DeviceState {
             return Ok(h);
         }
         self.check_cap(DriverCall::MemCreate, page)?;
-        let h = self.call(DriverCall::MemCreate, page, |b| b.mem_create(page))?;
+        let h = self.call(DriverCall::MemCreate, page, 1, |b| b.mem_create(page))?;
         self.gain(page, pool);
         Ok(h)
     }
@@ -430,7 +433,7 @@ impl DeviceState {
     /// Releases a physical page (which must be unmapped everywhere).
     pub fn release_page(&mut self, h: PhysHandle, pool: Pool) -> Result<(), BackendError> {
         let page = self.page();
-        self.call(DriverCall::MemRelease, page, |b| b.mem_release(h))?;
+        self.call(DriverCall::MemRelease, page, 1, |b| b.mem_release(h))?;
         self.lose(page, pool);
         Ok(())
     }
@@ -438,7 +441,7 @@ impl DeviceState {
     /// Creates a physical allocation of several pages at once (one handle).
     pub fn create_chunk(&mut self, bytes: u64, pool: Pool) -> Result<PhysHandle, BackendError> {
         self.check_cap(DriverCall::MemCreate, bytes)?;
-        let h = self.call(DriverCall::MemCreate, bytes, |b| b.mem_create(bytes))?;
+        let h = self.call(DriverCall::MemCreate, bytes, 1, |b| b.mem_create(bytes))?;
         self.gain(bytes, pool);
         Ok(h)
     }
@@ -450,43 +453,49 @@ impl DeviceState {
         bytes: u64,
         pool: Pool,
     ) -> Result<(), BackendError> {
-        self.call(DriverCall::MemRelease, bytes, |b| b.mem_release(h))?;
+        self.call(DriverCall::MemRelease, bytes, 1, |b| b.mem_release(h))?;
         self.lose(bytes, pool);
         Ok(())
     }
 
     /// Maps a physical allocation of `bytes` at `va`.
     pub fn map(&mut self, va: DevPtr, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
-        self.call(DriverCall::MemMap, bytes, |b| b.mem_map(va, bytes, h))?;
+        self.call(DriverCall::MemMap, bytes, 1, |b| b.mem_map(va, bytes, h))?;
         self.trace(SegmentAction::Map, va, bytes);
         Ok(())
     }
 
-    /// Unmaps `[va, va + bytes)`.
-    pub fn unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.call(DriverCall::MemUnmap, bytes, |b| b.mem_unmap(va, bytes))?;
+    /// Unmaps `[va, va + bytes)`, where `handles` physical handles are mapped.
+    pub fn unmap(&mut self, va: DevPtr, bytes: u64, handles: u64) -> Result<(), BackendError> {
+        self.call(DriverCall::MemUnmap, bytes, handles, |b| {
+            b.mem_unmap(va, bytes)
+        })?;
         self.trace(SegmentAction::Unmap, va, bytes);
         Ok(())
     }
 
-    /// Grants access to a mapped range.
-    pub fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.call(DriverCall::SetAccess, bytes, |b| b.set_access(va, bytes))
+    /// Grants access to a mapped range made of `handles` physical handles.
+    pub fn set_access(&mut self, va: DevPtr, bytes: u64, handles: u64) -> Result<(), BackendError> {
+        self.call(DriverCall::SetAccess, bytes, handles, |b| {
+            b.set_access(va, bytes)
+        })
     }
 
     /// Records an event on `stream`.
     pub fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
-        self.call(DriverCall::EventRecord, 0, |b| b.event_record(stream))
+        self.call(DriverCall::EventRecord, 0, 0, |b| b.event_record(stream))
     }
 
     /// Whether an event has completed.
     pub fn event_query(&mut self, e: EventHandle) -> Result<bool, BackendError> {
-        self.call(DriverCall::EventQuery, 0, |b| b.event_query(e))
+        self.call(DriverCall::EventQuery, 0, 0, |b| b.event_query(e))
     }
 
     /// Waits on the host for an event.
     pub fn event_synchronize(&mut self, e: EventHandle) -> Result<(), BackendError> {
-        self.call(DriverCall::EventSynchronize, 0, |b| b.event_synchronize(e))
+        self.call(DriverCall::EventSynchronize, 0, 0, |b| {
+            b.event_synchronize(e)
+        })
     }
 
     /// Destroys an event (not a driver call worth counting: events are pooled).
@@ -500,14 +509,14 @@ impl DeviceState {
         stream: Stream,
         e: EventHandle,
     ) -> Result<(), BackendError> {
-        self.call(DriverCall::StreamWaitEvent, 0, |b| {
+        self.call(DriverCall::StreamWaitEvent, 0, 0, |b| {
             b.stream_wait_event(stream, e)
         })
     }
 
     /// (free, total) bytes of the device.
     pub fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
-        self.call(DriverCall::MemGetInfo, 0, |b| b.mem_get_info())
+        self.call(DriverCall::MemGetInfo, 0, 0, |b| b.mem_get_info())
     }
 
     /// Bytes of the preallocated reserve not handed out yet.
@@ -548,6 +557,31 @@ mod tests {
         assert!((s.calls().est_seconds() - 72.5e-6).abs() < 1e-9);
         assert_eq!(s.held_stats().num_device_alloc, 2);
         assert_eq!(s.held_stats().segment.all.current, 0);
+    }
+
+    #[test]
+    fn virtual_memory_calls_cost_per_handle_not_per_byte() {
+        let d = dev();
+        let mut s = d.lock();
+        let va = s.address_reserve(64 * MIB).unwrap();
+        let before = s.calls().est_seconds();
+        // One 32 MiB handle: one create, one map, access over one handle.
+        let big = s.create_chunk(32 * MIB, Pool::Large).unwrap();
+        s.map(va, 32 * MIB, big).unwrap();
+        s.set_access(va, 32 * MIB, 1).unwrap();
+        let one = s.calls().est_seconds() - before;
+        // The same bytes as sixteen 2 MiB pages: sixteen of each.
+        let mid = s.calls().est_seconds();
+        for i in 0..16 {
+            let h = s.create_page(Pool::Large).unwrap();
+            s.map(va + 32 * MIB + i * 2 * MIB, 2 * MIB, h).unwrap();
+        }
+        s.set_access(va + 32 * MIB, 32 * MIB, 16).unwrap();
+        let sixteen = s.calls().est_seconds() - mid;
+        assert!((sixteen - 16.0 * one).abs() < 1e-12, "{one} vs {sixteen}");
+        // Both count as 16 pages covered, for reports.
+        assert_eq!(s.calls().pages(DriverCall::MemMap), 32);
+        assert_eq!(s.calls().pages(DriverCall::SetAccess), 32);
     }
 
     #[test]
@@ -598,7 +632,7 @@ mod tests {
             vec![(va, 6 * MIB)],
             "adjacent maps coalesce"
         );
-        s.unmap(va + 2 * MIB, 2 * MIB).unwrap();
+        s.unmap(va + 2 * MIB, 2 * MIB, 1).unwrap();
         assert_eq!(
             s.mapped_ranges(),
             vec![(va, 2 * MIB), (va + 4 * MIB, 2 * MIB)],

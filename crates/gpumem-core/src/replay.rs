@@ -104,6 +104,11 @@ pub struct ReplayOptions {
     /// Called with the allocator once the whole trace has been replayed (to write a
     /// snapshot of its final state and history, for instance).
     pub at_end: Option<AtEnd>,
+    /// On the simulated device, events the policy records complete this many microseconds
+    /// of trace time after they were recorded (the GPU running that far behind the host),
+    /// so that host waits are counted only where the GPU would not have got there yet.
+    /// `None`: they complete only when the host waits for them (every wait counted).
+    pub gpu_lag_us: Option<u64>,
 }
 
 /// A function given the allocator at the end of a replay.
@@ -117,6 +122,7 @@ impl Default for ReplayOptions {
             check_every: 0,
             timeline_points: 0,
             at_end: None,
+            gpu_lag_us: None,
         }
     }
 }
@@ -236,9 +242,22 @@ pub fn replay_on(
         .map_or(usize::MAX, |k| k.max(1));
     let start = Instant::now();
     let mut reported = 0usize;
+    // Events recorded by the policy, with the trace time they were recorded at (GPU lag model).
+    let mut lagging: std::collections::VecDeque<(u64, EventHandle)> = Default::default();
     for (i, e) in trace.events.iter().enumerate() {
         if i % quarter == 0 && i > 0 {
             calls_at.push(alloc.driver_calls());
+        }
+        if let (Some(lag), Some(ctl)) = (opts.gpu_lag_us, events.as_ref()) {
+            // What the previous operation recorded; then what the GPU has passed by now.
+            lagging.extend(ctl.take_recorded().into_iter().map(|(h, _)| (e.time_us, h)));
+            while let Some(&(t, h)) = lagging.front() {
+                if t.saturating_add(lag) > e.time_us {
+                    break;
+                }
+                ctl.complete(h);
+                lagging.pop_front();
+            }
         }
         match e.kind {
             Kind::Alloc if e.size > 0 => {

@@ -130,3 +130,29 @@ fn other_kinds_of_workload() {
         assert!(s.ratio < n.ratio, "{file}: stitched does not beat native");
     }
 }
+
+/// The replay's GPU-lag model: events the policy records complete that long after, so host
+/// waits are counted only where the GPU would still be behind. The lag changes how often the
+/// host waits, never where memory goes.
+#[test]
+fn gpu_lag_changes_host_waits_not_memory() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
+    let t = trace::load(&root.join("gpt_varlen.pickle.gz"), 0, None).unwrap();
+    let waits = |lag: Option<u64>| {
+        let opts = ReplayOptions {
+            gpu_lag_us: lag,
+            ..ReplayOptions::default()
+        };
+        let r = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+        let w = r.driver_calls["cuEventSynchronize"].as_u64().unwrap_or(0);
+        (w, r.peak_held_bytes)
+    };
+    let (none, held) = waits(None);
+    let (zero, held0) = waits(Some(0));
+    let (ten, held10) = waits(Some(10_000));
+    assert_eq!((held0, held10), (held, held));
+    assert!(
+        zero < ten && ten <= none,
+        "host waits: lag 0 {zero}, 10 ms {ten}, never complete {none}"
+    );
+}

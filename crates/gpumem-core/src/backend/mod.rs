@@ -124,13 +124,16 @@ impl fmt::Display for DriverCall {
     }
 }
 
-/// Estimated cost of one call: a fixed part plus a part per physical page it touches.
+/// Estimated cost of one call: a fixed part plus a part per physical allocation (handle) it
+/// covers. The virtual-memory calls cost per handle, not per byte: mapping, setting access on
+/// and unmapping 1 GiB made of 2 MiB handles costs about 20 times what it costs made of
+/// 32 MiB handles (`scripts/vmm_cost.py`, BENCHMARKS.md §6).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CallCost {
     /// Microseconds per call.
     pub per_call_us: f64,
-    /// Microseconds per 2 MiB page (or per physical handle) covered by the call.
-    pub per_page_us: f64,
+    /// Microseconds per physical handle covered by the call.
+    pub per_handle_us: f64,
 }
 
 /// The estimated cost of each kind of call, used to turn call counts into driver time.
@@ -148,9 +151,9 @@ impl CostModel {
     /// are typical figures for the driver and marked as estimates in the docs.
     pub fn h200() -> Self {
         let mut m = Self::zero();
-        let c = |per_call_us, per_page_us| CallCost {
+        let c = |per_call_us, per_handle_us| CallCost {
             per_call_us,
-            per_page_us,
+            per_handle_us,
         };
         m.set(DriverCall::MemAlloc, c(32.5, 0.0));
         m.set(DriverCall::MemFree, c(32.5, 0.0));
@@ -174,7 +177,7 @@ impl CostModel {
         Self {
             costs: [CallCost {
                 per_call_us: 0.0,
-                per_page_us: 0.0,
+                per_handle_us: 0.0,
             }; DriverCall::ALL.len()],
         }
     }
@@ -189,10 +192,10 @@ impl CostModel {
         self.costs[kind.index()]
     }
 
-    /// Seconds charged for one call covering `pages` pages.
-    pub fn seconds(&self, kind: DriverCall, pages: u64) -> f64 {
+    /// Seconds charged for one call covering `handles` physical handles.
+    pub fn seconds(&self, kind: DriverCall, handles: u64) -> f64 {
         let c = self.get(kind);
-        (c.per_call_us + c.per_page_us * pages as f64) * 1e-6
+        (c.per_call_us + c.per_handle_us * handles as f64) * 1e-6
     }
 }
 
@@ -214,12 +217,13 @@ pub struct CallCounts {
 }
 
 impl CallCounts {
-    /// Records one call covering `pages` pages.
-    pub fn add(&mut self, kind: DriverCall, pages: u64, cost: &CostModel) {
+    /// Records one call covering `pages` pages (bytes ÷ page size, for reports) made of
+    /// `handles` physical handles (what it costs).
+    pub fn add(&mut self, kind: DriverCall, pages: u64, handles: u64, cost: &CostModel) {
         let i = kind.index();
         self.counts[i] += 1;
         self.pages[i] += pages;
-        self.est_seconds += cost.seconds(kind, pages);
+        self.est_seconds += cost.seconds(kind, handles);
     }
 
     /// Adds the measured wall time of one call.

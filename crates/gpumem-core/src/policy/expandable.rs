@@ -152,7 +152,7 @@ impl Expandable {
             d.map(base + i * page, page, h)?;
             self.segs[si].handles[i as usize] = Some(h);
         }
-        d.set_access(base + begin * page, (end - begin) * page)?;
+        d.set_access(base + begin * page, (end - begin) * page, end - begin)?;
         let mapped = (end - begin) * page;
         self.set.detach(id);
         if mapped < bsize {
@@ -211,7 +211,7 @@ impl Expandable {
             let h = self.segs[si].handles[i as usize]
                 .take()
                 .expect("mapped page has a handle");
-            d.unmap(base + i * page, page)?;
+            d.unmap(base + i * page, page, 1)?;
             d.release_chunk(h, page, pool)?;
         }
         let un_start = base + begin * page;

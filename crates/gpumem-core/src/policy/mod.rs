@@ -265,6 +265,12 @@ pub struct PolicyOptions {
     pub slack: f64,
     /// Stitched: virtual space reserved per stream, as a multiple of the device memory.
     pub va_factor: u64,
+    /// Stitched: each stream may keep as many pages as its own peak in use (the pool holding
+    /// up to the sum of the streams' peaks), instead of the pool holding no more than the
+    /// highest total in use. Fewer remaps when many streams' use rises and falls
+    /// independently; more memory when streams peak at different times (up to twice the
+    /// live peak with two streams that take turns).
+    pub own_stream_peaks: bool,
 }
 
 impl Default for PolicyOptions {
@@ -272,6 +278,7 @@ impl Default for PolicyOptions {
         Self {
             slack: 0.0,
             va_factor: 2,
+            own_stream_peaks: false,
         }
     }
 }
