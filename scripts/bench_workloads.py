@@ -13,6 +13,8 @@ Each workload runs in a fresh process per allocator:
     gpumem-caching    gpumem with policy:caching (no virtual-memory calls), to tell the cost
                       of the stitched policy's mapping apart from the rest (opt-in;
                       --variant NAME=CONF adds others)
+    native-again      PyTorch's caching allocator once more (opt-in): an A/A control whose
+                      step-time ratio to native is the noise of that figure on this machine
 
 --repeat N runs every (workload, allocator) pair N times, interleaved (all allocators once,
 then again), and reports each step-time ratio against the same round's native run, with the
@@ -62,8 +64,12 @@ from pathlib import Path
 GIB = 1 << 30
 
 ALLOCATORS = ["native", "expandable", "cudaMallocAsync", "gpumem"]
+# Opt-in: PyTorch's own allocator a second time in each round, an A/A control. Its step-time
+# ratio to native is this machine's noise on that figure (nothing differs but the run).
+CONTROLS = ["native-again"]
 ALLOC_ENV = {
     "native": None,
+    "native-again": None,
     "expandable": "expandable_segments:True",
     "cudaMallocAsync": "backend:cudaMallocAsync",
     "gpumem": None,
@@ -73,7 +79,9 @@ GPUMEM_VARIANTS = {"gpumem-caching": "policy:caching"}
 
 
 def is_gpumem(allocator: str) -> bool:
-    return allocator == "gpumem" or allocator in GPUMEM_VARIANTS
+    # By name: a child process does not see the parent's --variant list (its GPUMEM_CONF comes
+    # through the environment), so every "gpumem-*" name is gpumem.
+    return allocator == "gpumem" or allocator.startswith("gpumem-")
 
 # Steps per workload and warm-up steps left out of the median step time.
 WORKLOADS = {
@@ -576,8 +584,9 @@ def main() -> int:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w} (known: {', '.join(WORKLOADS)})")
     for a in allocators:
-        if a not in ALLOCATORS and a not in GPUMEM_VARIANTS:
-            ap.error(f"unknown allocator {a} (known: {', '.join(ALLOCATORS + list(GPUMEM_VARIANTS))})")
+        if a not in ALLOCATORS and a not in CONTROLS and a not in GPUMEM_VARIANTS:
+            known = ALLOCATORS + CONTROLS + list(GPUMEM_VARIANTS)
+            ap.error(f"unknown allocator {a} (known: {', '.join(known)})")
     if "native" not in allocators:
         ap.error("the native run is the common denominator: keep it in --allocators")
     out_dir = Path(args.out)
