@@ -212,3 +212,44 @@ fn monitor_stops_cleanly_on_ctrl_c_and_serves_metrics() {
     assert!(rest.contains("(interrupted)"), "{rest}");
     assert!(rest.contains("pid 4242 (leaky)"), "{rest}");
 }
+
+#[test]
+fn replay_gpu_lag_counts_fewer_host_waits_and_refuses_nonsense() {
+    let t = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../traces/gpt_varlen.pickle.gz");
+    let waits = |extra: &[&str]| {
+        let out = gpumem()
+            .args(["replay", "-p", "stitched", "--json"])
+            .args(extra)
+            .arg(&t)
+            .output()
+            .unwrap();
+        assert_succeeded(&out);
+        let j: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap())
+                .unwrap();
+        (
+            j["driver_calls"]["cuEventSynchronize"]
+                .as_u64()
+                .unwrap_or(0),
+            j["peak_held_bytes"].as_u64().unwrap(),
+        )
+    };
+    let (every, held) = waits(&[]);
+    let (lag0, held0) = waits(&["--gpu-lag-ms", "0"]);
+    assert!(
+        lag0 < every,
+        "lag 0: {lag0} host waits, every wait counted: {every}"
+    );
+    assert_eq!(held0, held);
+    for bad in ["-1", "soon", "NaN"] {
+        let out = gpumem()
+            .args(["replay", &format!("--gpu-lag-ms={bad}")])
+            .arg(&t)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains("not a lag in milliseconds"), "{bad}: {e}");
+    }
+}

@@ -229,6 +229,17 @@ mod tests {
         assert_eq!(c.prealloc, Some(Amount::Fraction(0.9)));
         assert_eq!(c.cap, Some(Amount::Bytes(40 * GIB)));
         assert_eq!(c.options.slack, 0.02);
+        assert!(!c.options.own_stream_peaks);
+        assert!(
+            Config::parse("stream_pages:own")
+                .unwrap()
+                .options
+                .own_stream_peaks
+        );
+        assert_eq!(
+            Config::parse("stream_pages:shared").unwrap(),
+            Config::default()
+        );
         assert_eq!(c.history, 1000);
         assert!(c.leak_check && c.backtraces);
         assert_eq!(Amount::Fraction(0.5).bytes(100), 50);
@@ -261,6 +272,7 @@ mod tests {
             ("nonsense", "key:value"),
             ("colour:blue", "unknown key 'colour'"),
             ("slack:-1", "slack"),
+            ("stream_pages:mine", "expected shared or own"),
         ] {
             let e = Config::parse(bad).unwrap_err().to_string();
             assert!(e.contains(needle), "{bad}: {e}");
