@@ -5,24 +5,28 @@
 //! streams (stitched) share it through an object their factory hands to every shard.
 
 /// The [`Policy`] methods that a policy built on a [`blocks::BlockSet`] (in a field `set`)
-/// answers straight from the set, and its frees through its own `free_block(id) -> u64`:
+/// answers straight from the set, and its frees through its own
+/// `free_block(id, dev) -> Result<u64, BackendError>`:
 /// written once so the block policies cannot drift apart.
 macro_rules! block_set_queries {
     () => {
-        fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-            Ok(self.set.allocated_at(addr).map(|id| self.free_block(id)))
+        fn free(&mut self, addr: DevPtr, dev: &Device) -> Result<Option<u64>, BackendError> {
+            self.set
+                .allocated_at(addr)
+                .map(|id| self.free_block(id, dev))
+                .transpose()
         }
 
         fn free_handle(
             &mut self,
             handle: u32,
             addr: DevPtr,
-            _dev: &Device,
+            dev: &Device,
         ) -> Result<Option<u64>, BackendError> {
-            Ok(self
-                .set
+            self.set
                 .allocated_handle(handle, addr)
-                .map(|id| self.free_block(id)))
+                .map(|id| self.free_block(id, dev))
+                .transpose()
         }
 
         fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {

@@ -64,6 +64,11 @@ struct Local {
     /// Events recorded on this stream by recent slow paths, with the pool epoch of each: a
     /// page that went idle before one that has completed can be unmapped without waiting.
     events: std::collections::VecDeque<(u64, crate::backend::EventHandle)>,
+    /// Pages taken from another stream's idle list went idle since the last event recorded
+    /// on this stream (the other stream may take them back through its old mapping).
+    idle_unmarked: bool,
+    /// Slot -> this stream took the page from another stream (which may still map it).
+    foreign: Vec<bool>,
 }
 
 /// Recent events kept per stream. A page that went idle is unmapped after the first of them
@@ -96,6 +101,8 @@ pub struct PagePool {
     page: u64,
     slack: f64,
     own_stream_peaks: bool,
+    /// Streams registered: marks are recorded only when there are several.
+    streams: AtomicU64,
 }
 
 /// Counters of the page pool, for reports.
@@ -133,6 +140,7 @@ impl PagePool {
             page: info.page_bytes,
             slack: opts.slack.max(0.0),
             own_stream_peaks: opts.own_stream_peaks,
+            streams: AtomicU64::new(0),
         }
     }
 
@@ -165,9 +173,12 @@ impl PagePool {
                 busy: 0,
                 peak_busy: 0,
                 events: std::collections::VecDeque::new(),
+                idle_unmarked: false,
+                foreign: Vec::new(),
             }),
         });
         p.shards.push(sh.clone());
+        self.streams.store(p.shards.len() as u64, Ordering::Relaxed);
         ((p.shards.len() - 1) as u32, sh)
     }
 
@@ -324,6 +335,11 @@ impl PagePool {
                     .copied()
                     .unwrap_or(u64::MAX);
                 others.push((prev, idle_since));
+                let f = &mut all.guards[m].foreign;
+                if f.len() <= s as usize {
+                    f.resize(s as usize + 1, false);
+                }
+                f[s as usize] = true;
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
@@ -484,12 +500,37 @@ impl PagePool {
             }
             l.stamp[slot as usize] = epoch;
             l.idle.push_back(slot);
+            if l.foreign.get(slot as usize).copied().unwrap_or(false) {
+                l.idle_unmarked = true;
+            }
         }
         l.busy -= vpages.len() as u64;
     }
 
+    /// With several streams, records an event on `mine`'s stream if pages went idle since
+    /// its last one. Another stream that takes one of those pages then waits (on the device)
+    /// for this point of the stream only; without it, it waits for everything queued on the
+    /// stream by the time it takes the page (in a prefetch pipeline: the next batch's copy
+    /// held behind the rest of this step's compute). One stream never hands pages over, so
+    /// it records nothing and its steady state stays free of driver calls.
+    fn mark(&self, mine: &ShardPages, dev: &Device) -> Result<(), BackendError> {
+        if self.streams.load(Ordering::Relaxed) < 2 {
+            return Ok(());
+        }
+        let mut l = mine.local.lock();
+        if !l.idle_unmarked {
+            return Ok(());
+        }
+        let mut d = dev.lock();
+        let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
+        let ev = d.event_record(mine.stream)?;
+        Self::push_event(&mut l, epoch, ev, &mut d);
+        Ok(())
+    }
+
     /// Keeps `ev`, recorded on `l`'s stream at pool epoch `epoch`, among its recent events.
     fn push_event(l: &mut Local, epoch: u64, ev: crate::backend::EventHandle, d: &mut DeviceState) {
+        l.idle_unmarked = false;
         l.events.push_back((epoch, ev));
         if l.events.len() > EPOCH_EVENTS {
             if let Some((_, old)) = l.events.pop_front() {
@@ -531,6 +572,9 @@ impl PagePool {
         for s in slots {
             let ph = p.phys[s as usize].take().expect("idle slot");
             all.guards[ph.owner as usize].idle.remove(s);
+            if let Some(f) = all.guards[ph.owner as usize].foreign.get_mut(s as usize) {
+                *f = false; // the slot number may be reused for a new page
+            }
             for &(sh, v) in &ph.aliases {
                 d.unmap(
                     p.shards[sh as usize].base + v as u64 * self.page,
@@ -757,7 +801,7 @@ impl Stitched {
     }
 
     /// Frees allocated block `id` used on no other stream; returns its size.
-    fn free_block(&mut self, id: u32) -> u64 {
+    fn free_block(&mut self, id: u32, dev: &Device) -> Result<u64, BackendError> {
         let (addr, size) = {
             let b = self.set.block(id);
             (b.addr, b.size)
@@ -771,7 +815,17 @@ impl Stitched {
         if let Some((a, s)) = self.set.free_now(id) {
             self.untouch_pages(a, s);
         }
-        size
+        self.mark_idle(dev)?;
+        Ok(size)
+    }
+
+    /// After pages went idle: with several streams, an event on this stream at this point
+    /// (see [`PagePool::mark`]).
+    fn mark_idle(&mut self, dev: &Device) -> Result<(), BackendError> {
+        match self.pages.as_ref() {
+            Some(sp) => self.pool.mark(sp, dev),
+            None => Ok(()),
+        }
     }
 
     /// A block now covers `[addr, addr + size)`: count it on its pages and claim a physical
@@ -873,9 +927,10 @@ impl Policy for Stitched {
         })
     }
 
-    fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
+    fn release(&mut self, addr: DevPtr, dev: &Device) -> Result<(), BackendError> {
         if let Some(id) = self.set.pending_at(addr) {
             self.release_block(id);
+            self.mark_idle(dev)?;
         }
         Ok(())
     }
