@@ -21,7 +21,9 @@
 //! Stream order: a virtual page is unmapped (to point it at another physical page) only after
 //! its stream has finished the work queued before (an event is recorded and waited for); a
 //! physical page last used by another stream is handed over through an event that the new
-//! stream waits for on the device.
+//! stream waits for on the device: the first one the old stream recorded after the page went
+//! idle. With several streams, a stream records one when pages it took from another go idle
+//! (`PagePool::mark`), so that handing them back does not wait for all its later work.
 
 use super::blocks::{BlockSet, State, NIL};
 use super::segmented::round_size;
