@@ -71,6 +71,9 @@ struct Local {
     idle_unmarked: bool,
     /// Slot -> this stream took the page from another stream (which may still map it).
     foreign: Vec<bool>,
+    /// Another stream had to wait for all this stream's queued work to take a page from it:
+    /// record marks (see `PagePool::mark`).
+    marks_wanted: bool,
 }
 
 /// Recent events kept per stream. A page that went idle is unmapped after the first of them
@@ -177,6 +180,7 @@ impl PagePool {
                 events: std::collections::VecDeque::new(),
                 idle_unmarked: false,
                 foreign: Vec::new(),
+                marks_wanted: false,
             }),
         });
         p.shards.push(sh.clone());
@@ -438,6 +442,12 @@ impl PagePool {
                 Some(ev) => d.stream_wait_event(stream, ev)?,
                 None => {
                     let ev = d.event_record(p.shards[o as usize].stream)?;
+                    // Still running: this stream now waits for all of `o`'s queued work, not
+                    // just what came before the pages went idle. From now on `o` marks its
+                    // place when such pages go idle (see `mark`).
+                    if !d.event_query(ev)? {
+                        all.guards[o as usize].marks_wanted = true;
+                    }
                     d.stream_wait_event(stream, ev)?;
                     d.event_destroy(ev);
                 }
@@ -509,18 +519,20 @@ impl PagePool {
         l.busy -= vpages.len() as u64;
     }
 
-    /// With several streams, records an event on `mine`'s stream if pages went idle since
-    /// its last one. Another stream that takes one of those pages then waits (on the device)
-    /// for this point of the stream only; without it, it waits for everything queued on the
-    /// stream by the time it takes the page (in a prefetch pipeline: the next batch's copy
-    /// held behind the rest of this step's compute). One stream never hands pages over, so
-    /// it records nothing and its steady state stays free of driver calls.
+    /// Records an event on `mine`'s stream if pages it took from another stream went idle
+    /// since its last one. Another stream that takes one of those pages back then waits (on
+    /// the device) for this point of the stream only; without it, it waits for everything
+    /// queued on the stream by the time it takes the page (in a prefetch pipeline: the next
+    /// batch's copy held behind the rest of this step's compute). Only once such a wait has
+    /// met work still running (`marks_wanted`): where the streams' work is done by the time
+    /// pages change hands (the allocation benchmark's threads launch no kernels), marks would
+    /// be calls for nothing. One stream never hands pages over and records nothing.
     fn mark(&self, mine: &ShardPages, dev: &Device) -> Result<(), BackendError> {
         if self.streams.load(Ordering::Relaxed) < 2 {
             return Ok(());
         }
         let mut l = mine.local.lock();
-        if !l.idle_unmarked {
+        if !l.idle_unmarked || !l.marks_wanted {
             return Ok(());
         }
         let mut d = dev.lock();
