@@ -28,7 +28,12 @@ cu.cuMemRelease.argtypes = [c_ulonglong]
 cu.cuMemAddressFree.argtypes = [c_ulonglong, c_size_t]
 TOTAL = 1 << 30
 MIB = 1 << 20
-def run(chunk, access_per_chunk):
+def run(chunk, access_each, pages=False):
+    """1 GiB as `chunk`-byte handles: created, mapped, access set (once for the whole range, or
+    once per mapping with `access_each`), unmapped, released; ms for each step. With `pages`,
+    each handle is mapped as separate 2 MiB mappings (offsets into the handle) and unmapped one
+    mapping at a time, the way a pool that creates large handles but maps 2 MiB pages would."""
+    unit = 2 * MIB if pages else chunk
     n = TOTAL // chunk
     va = c_ulonglong(); ck(cu.cuMemAddressReserve(byref(va), TOTAL, 0, 0, 0), "reserve")
     hs = []
@@ -37,54 +42,29 @@ def run(chunk, access_per_chunk):
         h = c_ulonglong(); ck(cu.cuMemCreate(byref(h), chunk, byref(prop), 0), "create"); hs.append(h.value)
     t1 = time.perf_counter()
     for i, h in enumerate(hs):
-        ck(cu.cuMemMap(va.value + i * chunk, chunk, 0, h, 0), "map")
+        for k in range(chunk // unit):
+            ck(cu.cuMemMap(va.value + i * chunk + k * unit, unit, k * unit, h, 0), "map")
     t2 = time.perf_counter()
-    if access_per_chunk:
-        for i in range(n):
-            ck(cu.cuMemSetAccess(va.value + i * chunk, chunk, byref(acc), 1), "access")
+    if access_each:
+        for i in range(TOTAL // unit):
+            ck(cu.cuMemSetAccess(va.value + i * unit, unit, byref(acc), 1), "access")
     else:
         ck(cu.cuMemSetAccess(va.value, TOTAL, byref(acc), 1), "access")
     t3 = time.perf_counter()
-    ck(cu.cuMemUnmap(va.value, TOTAL), "unmap")
+    if pages:
+        for i in range(TOTAL // unit):
+            ck(cu.cuMemUnmap(va.value + i * unit, unit), "unmap")
+    else:
+        ck(cu.cuMemUnmap(va.value, TOTAL), "unmap")
     t4 = time.perf_counter()
     for h in hs:
         ck(cu.cuMemRelease(h), "release")
     t5 = time.perf_counter()
     ck(cu.cuMemAddressFree(va.value, TOTAL), "free")
     ms = lambda a, b: round((b - a) * 1e3, 2)
-    return {"chunk_MiB": chunk // MIB, "chunks": n, "access_per_chunk": access_per_chunk,
+    return {"chunk_MiB": chunk // MIB, "chunks": n, "access_each": access_each,
             "create_ms": ms(t0, t1), "map_ms": ms(t1, t2), "set_access_ms": ms(t2, t3),
             "unmap_ms": ms(t3, t4), "release_ms": ms(t4, t5)}
-def run_sub(chunk, access_per_page):
-    """1 GiB as `chunk`-byte handles, each mapped as separate 2 MiB mappings (offsets into the
-    handle), the way a pool that creates large handles but maps 2 MiB pages would."""
-    page = 2 * MIB
-    n = TOTAL // chunk
-    va = c_ulonglong(); ck(cu.cuMemAddressReserve(byref(va), TOTAL, 0, 0, 0), "reserve")
-    hs = []
-    t0 = time.perf_counter()
-    for _ in range(n):
-        h = c_ulonglong(); ck(cu.cuMemCreate(byref(h), chunk, byref(prop), 0), "create"); hs.append(h.value)
-    t1 = time.perf_counter()
-    for i, h in enumerate(hs):
-        for k in range(chunk // page):
-            ck(cu.cuMemMap(va.value + i * chunk + k * page, page, k * page, h, 0), "map")
-    t2 = time.perf_counter()
-    if access_per_page:
-        for i in range(TOTAL // page):
-            ck(cu.cuMemSetAccess(va.value + i * page, page, byref(acc), 1), "access")
-    else:
-        ck(cu.cuMemSetAccess(va.value, TOTAL, byref(acc), 1), "access")
-    t3 = time.perf_counter()
-    for i in range(TOTAL // page):
-        ck(cu.cuMemUnmap(va.value + i * page, page), "unmap")
-    t4 = time.perf_counter()
-    for h in hs:
-        ck(cu.cuMemRelease(h), "release")
-    t5 = time.perf_counter()
-    ck(cu.cuMemAddressFree(va.value, TOTAL), "free")
-    ms = lambda a, b: round((b - a) * 1e3, 2)
-    return (ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4), ms(t4, t5))
 
 def partial_unmap():
     """Can 2 MiB in the middle of a 32 MiB mapping be unmapped on its own? (CUresult)"""
@@ -110,9 +90,9 @@ print(f"{'chunk':>6} {'access':>8} {'create':>8} {'map':>7} {'access':>8} {'unma
 for chunk in (2 * MIB, 32 * MIB):
     for per in (False, True):
         try:
-            r = run_sub(chunk, per)
+            r = run(chunk, per, pages=True)
         except RuntimeError as e:  # CUDA 13 on the H200: 801 (not supported) for offset != 0
             print(f"{chunk // MIB:>5}M {'each' if per else 'once':>8} {e}")
             continue
-        print(f"{chunk // MIB:>5}M {'each' if per else 'once':>8} " + " ".join(f"{x:>8}" for x in r))
+        print(f"{r['chunk_MiB']:>5}M {'each' if per else 'once':>8} {r['create_ms']:>8} {r['map_ms']:>7} {r['set_access_ms']:>8} {r['unmap_ms']:>7} {r['release_ms']:>8}")
 print(f"\nunmapping 2 MiB inside a 32 MiB mapping: CUresult {partial_unmap()} (0 = allowed)")
