@@ -82,6 +82,21 @@ struct Local {
 /// random-length trace with 4 kept, 92 → 56 on the prefetch trace).
 const EPOCH_EVENTS: usize = 64;
 
+impl Local {
+    /// The first event this stream recorded after pool epoch `idle_since` (when a page went
+    /// idle), if one is still kept: waiting for it covers the work queued before the page went
+    /// idle and nothing queued later.
+    fn covering_event(&self, idle_since: u64) -> Option<crate::backend::EventHandle> {
+        if idle_since == u64::MAX {
+            return None;
+        }
+        self.events
+            .iter()
+            .find(|&&(e, _)| e > idle_since)
+            .map(|&(_, ev)| ev)
+    }
+}
+
 struct ShardPages {
     stream: Stream,
     base: u64,
@@ -371,11 +386,7 @@ impl PagePool {
                 })
                 .max()
                 .unwrap_or(u64::MAX);
-            let covering = all.guards[m]
-                .events
-                .iter()
-                .find(|&&(e, _)| idle_since != u64::MAX && e > idle_since)
-                .map(|&(_, ev)| ev);
+            let covering = all.guards[m].covering_event(idle_since);
             match covering {
                 Some(ev) => {
                     if !d.event_query(ev)? {
@@ -433,11 +444,7 @@ impl PagePool {
                 idle_since = idle_since.max(others[i].1);
                 i += 1;
             }
-            let covering = all.guards[o as usize]
-                .events
-                .iter()
-                .find(|&&(e, _)| idle_since != u64::MAX && e > idle_since)
-                .map(|&(_, ev)| ev);
+            let covering = all.guards[o as usize].covering_event(idle_since);
             match covering {
                 Some(ev) => d.stream_wait_event(stream, ev)?,
                 None => {
