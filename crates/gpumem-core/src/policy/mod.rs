@@ -5,16 +5,15 @@
 //! streams (stitched) share it through an object their factory hands to every shard.
 
 /// The [`Policy`] methods that a policy built on a [`blocks::BlockSet`] (in a field `set`)
-/// answers straight from the set, and its frees through its own
-/// `free_block(id, dev) -> Result<u64, BackendError>`:
+/// answers straight from the set, and its frees through its own `free_block(id, dev) -> u64`:
 /// written once so the block policies cannot drift apart.
 macro_rules! block_set_queries {
     () => {
         fn free(&mut self, addr: DevPtr, dev: &Device) -> Result<Option<u64>, BackendError> {
-            self.set
+            Ok(self
+                .set
                 .allocated_at(addr)
-                .map(|id| self.free_block(id, dev))
-                .transpose()
+                .map(|id| self.free_block(id, dev)))
         }
 
         fn free_handle(
@@ -23,10 +22,10 @@ macro_rules! block_set_queries {
             addr: DevPtr,
             dev: &Device,
         ) -> Result<Option<u64>, BackendError> {
-            self.set
+            Ok(self
+                .set
                 .allocated_handle(handle, addr)
-                .map(|id| self.free_block(id, dev))
-                .transpose()
+                .map(|id| self.free_block(id, dev)))
         }
 
         fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {

@@ -71,10 +71,10 @@ impl Segmented {
         }
     }
 
-    fn free_block(&mut self, id: u32, _dev: &Device) -> Result<u64, BackendError> {
+    fn free_block(&mut self, id: u32, _dev: &Device) -> u64 {
         let size = self.set.block(id).size;
         self.set.free_now(id);
-        Ok(size)
+        size
     }
 
     fn should_split(&self, pool: Pool, remaining: u64) -> bool {
