@@ -188,13 +188,20 @@ impl Audit {
 const S1: Stream = 0x7f00_0000_1000;
 const S2: Stream = 0x7f00_0000_2000;
 
-#[test]
-fn pages_move_between_streams_only_through_events() {
-    // No spare pages: the second stream must take the first one's.
-    let mut t = Audit::new("policy:stitched,slack:0", 1 << 30);
+/// S1 allocates 8 MiB and frees it, then S2 allocates 8 MiB, under `conf`: the audit and S2's
+/// block (still live).
+fn streams_take_turns(conf: &str) -> (Audit, Allocation) {
+    let mut t = Audit::new(conf, 1 << 30);
     let a = t.allocate(8 << 20, S1);
     t.free(&a, None);
     let b = t.allocate(8 << 20, S2);
+    (t, b)
+}
+
+#[test]
+fn pages_move_between_streams_only_through_events() {
+    // No spare pages: the second stream must take the first one's.
+    let (mut t, b) = streams_take_turns("policy:stitched,slack:0");
     assert_eq!(
         t.alloc.held_bytes(),
         8 << 20,
@@ -349,10 +356,7 @@ fn streams_keep_pages_up_to_their_own_peak_when_asked() {
 /// The price of `stream_pages:own`: two streams that take turns each keep their own peak.
 #[test]
 fn own_stream_pages_cost_memory_when_streams_take_turns() {
-    let mut t = Audit::new("policy:stitched,stream_pages:own", 1 << 30);
-    let a = t.allocate(8 << 20, S1);
-    t.free(&a, None);
-    let b = t.allocate(8 << 20, S2);
+    let (mut t, b) = streams_take_turns("policy:stitched,stream_pages:own");
     assert_eq!(t.alloc.held_bytes(), 16 << 20, "S2 made its own pages");
     assert_eq!(t.handovers, 0);
     t.free(&b, None);
