@@ -508,7 +508,8 @@ impl PagePool {
 
     /// Shard `mine` no longer touches `vpages`: their pages go idle, still mapped, in its own
     /// list (no shared state touched).
-    fn release(&self, mine: &ShardPages, vpages: &[u32]) {
+    /// Returns whether the stream should now mark its place (see [`PagePool::mark`]).
+    fn release(&self, mine: &ShardPages, vpages: &[u32]) -> bool {
         let epoch = self.epoch.load(Ordering::Relaxed);
         let mut l = mine.local.lock();
         for &v in vpages {
@@ -524,6 +525,7 @@ impl PagePool {
             }
         }
         l.busy -= vpages.len() as u64;
+        l.idle_unmarked && l.marks_wanted && self.streams.load(Ordering::Relaxed) >= 2
     }
 
     /// Records an event on `mine`'s stream if pages it took from another stream went idle
@@ -769,6 +771,9 @@ pub struct Stitched {
     shift: u32,
     touch: Vec<u32>,
     fresh: Vec<u32>,
+    /// Pages went idle that call for a mark (see [`PagePool::mark`]): recorded once the free
+    /// is done, without taking the stream's page lock again on frees that need none.
+    mark_due: bool,
 }
 
 impl Stitched {
@@ -787,6 +792,7 @@ impl Stitched {
             base: 0,
             touch: Vec::new(),
             fresh: Vec::new(),
+            mark_due: false,
         }
     }
 
@@ -847,6 +853,9 @@ impl Stitched {
     /// After pages went idle: with several streams, an event on this stream at this point
     /// (see [`PagePool::mark`]).
     fn mark_idle(&mut self, dev: &Device) {
+        if !std::mem::take(&mut self.mark_due) {
+            return;
+        }
         if let Some(sp) = self.pages.as_ref() {
             self.pool.mark(sp, dev);
         }
@@ -893,7 +902,7 @@ impl Stitched {
                 .pages
                 .as_ref()
                 .expect("initialised with the first allocation");
-            self.pool.release(sp, &self.fresh);
+            self.mark_due |= self.pool.release(sp, &self.fresh);
         }
     }
 }
