@@ -244,13 +244,17 @@ pub fn replay_on(
     let mut reported = 0usize;
     // Events recorded by the policy, with the trace time they were recorded at (GPU lag model).
     let mut lagging: std::collections::VecDeque<(u64, EventHandle)> = Default::default();
+    let mut previous_time = 0u64;
     for (i, e) in trace.events.iter().enumerate() {
         if i % quarter == 0 && i > 0 {
             calls_at.push(alloc.driver_calls());
         }
         if let (Some(lag), Some(ctl)) = (opts.gpu_lag_us, events.as_ref()) {
-            // What the previous operation recorded; then what the GPU has passed by now.
-            lagging.extend(ctl.take_recorded().into_iter().map(|(h, _)| (e.time_us, h)));
+            // What the previous operation recorded, at its time; then what the GPU has passed
+            // by now.
+            let at = previous_time;
+            lagging.extend(ctl.take_recorded().into_iter().map(|(h, _)| (at, h)));
+            previous_time = e.time_us;
             while let Some(&(t, h)) = lagging.front() {
                 if t.saturating_add(lag) > e.time_us {
                     break;
