@@ -78,8 +78,8 @@ struct Local {
 
 /// Recent events kept per stream. A page that went idle is unmapped after the first of them
 /// recorded after it, so the longer the history, the less the host waits for work queued
-/// later (simulated GPU 10 ms behind the host: host waits 100 → 64 on the GPT-2
-/// random-length trace with 4 kept, 92 → 56 on the prefetch trace).
+/// later (simulated GPU 10 ms behind the host: host waits 99 → 64 on the GPT-2 random-length
+/// trace with 4 kept, 58 → 17 on the prefetch trace).
 const EPOCH_EVENTS: usize = 64;
 
 impl Local {
