@@ -1,12 +1,30 @@
 //! A binary buddy allocator: every block is a power of two (at least 512 B) inside a
 //! power-of-two arena, split in halves on the way down and merged with its buddy on the way
-//! up. Placement and merging are O(log n) and fragmentation between blocks is impossible; the
-//! price is rounding, up to half of each block.
+//! up. Fragmentation between blocks is impossible; the price is rounding, up to half of each
+//! block.
 //!
-//! Free blocks are chosen oldest arena first, lowest offset within it: never by absolute
-//! address, which depends on where the device put each arena (the simulated device and the
-//! driver place them differently, and choosing by address made the GPU hold 3–12 % more than
-//! the replay on the same trace).
+//! A request of order `o` takes a free block of the smallest order `k >= o` that has one,
+//! oldest arena first, lowest offset within it: never by absolute address, which depends on
+//! where the device put each arena (the simulated device and the driver place them
+//! differently, and choosing by address made the GPU hold 3–12 % more than the replay on the
+//! same trace).
+//!
+//! Every allocation and free runs under the engine's shard lock, so the free-block index is
+//! built for a few nanoseconds per step, without ordered trees (a node search and memmoves for
+//! each block split or merged, and an arena search by address on every call):
+//!
+//! - Arenas sit in a `Vec` in creation order, so "oldest arena" is "lowest slot", and each
+//!   live block remembers its slot: a free needs no address search. `release_cached` compacts
+//!   the `Vec` (keeping the order) and renumbers the live blocks.
+//! - Each arena keeps, per order, a bitmap of its free blocks (bit `offset >> order`) under
+//!   summary levels of one bit per non-zero word below ([`Bits`]): the lowest free block is one
+//!   `trailing_zeros` per level (at most 3 in a 64 MiB arena), a buddy test is one bit, and
+//!   splitting or merging sets or clears one bit per order. An order's bitmap is allocated the
+//!   first time the arena holds a free block of that order; all of them together take about
+//!   1/2000 of the arena's size in host memory (32 KiB for a 64 MiB arena).
+//! - Per order, the same kind of bitmap over arena slots says which arenas hold a free block
+//!   of that order, and one `u64` says which orders have any: the smallest order `>= o` is one
+//!   `trailing_zeros`.
 
 use super::{BlockInfo, BlockKind, Placement, Policy, SegmentInfo};
 use crate::backend::{DevPtr, Stream};
@@ -14,32 +32,318 @@ use crate::device::Device;
 use crate::error::BackendError;
 use crate::stats::{MemoryStats, Pool};
 use rustc_hash::FxHashMap;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::hash_map::Entry;
+use std::collections::BTreeMap;
 
 const MIN_ORDER: u32 = 9; // 512 B
 const ARENA_ORDER: u32 = 26; // 64 MiB arenas; larger requests get an arena of their own
 const MAX_ORDER: u32 = 50;
 
+/// A set of `2^log_len` bits under summary levels: bit `j` of level `l + 1` says whether word
+/// `j` of level `l` is non-zero, up to a top level of one word. The lowest set bit is one
+/// `trailing_zeros` per level, and a set or clear is one word per level.
+struct Bits {
+    /// The top level, inline: a set of up to 64 bits needs no other memory, and emptiness and
+    /// the first step of a search read no other cache line.
+    top: u64,
+    /// The levels below the top, leaves first (level `l` has `2^(log_len - 6 (l + 1))` words);
+    /// allocated when a bit is first set, so orders an arena never splits down to cost nothing.
+    below: Box<[u64]>,
+    log_len: u8,
+    /// Levels below the top.
+    depth: u8,
+}
+
+impl Bits {
+    fn new(log_len: u32) -> Self {
+        Self {
+            top: 0,
+            below: Box::default(),
+            log_len: log_len as u8,
+            // Levels in all: one per 6 bits of length, at least one (the top).
+            depth: (log_len.max(1).div_ceil(6) - 1) as u8,
+        }
+    }
+
+    /// Words in level `l` (below the top).
+    #[inline]
+    fn words(&self, l: u32) -> usize {
+        1 << (u32::from(self.log_len) - 6 * (l + 1))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.top == 0
+    }
+
+    /// Whether bit `i` is set.
+    #[inline]
+    fn test(&self, i: usize) -> bool {
+        debug_assert!(i >> self.log_len == 0);
+        if self.depth == 0 {
+            return self.top >> i & 1 != 0;
+        }
+        self.below
+            .get(i >> 6)
+            .is_some_and(|&w| w >> (i & 63) & 1 != 0)
+    }
+
+    /// Sets bit `i` if `cond`; returns whether the set was empty before. Without branches on
+    /// the bits (their outcomes are random on a random workload): every level is or-ed, which
+    /// leaves a summary bit that was set as it was.
+    #[inline]
+    fn set_if(&mut self, mut i: usize, cond: bool) -> bool {
+        debug_assert!(i >> self.log_len == 0);
+        let bit = u64::from(cond);
+        if self.depth > 0 {
+            if self.below.is_empty() {
+                self.allocate();
+            }
+            let mut at = 0;
+            for l in 0..u32::from(self.depth) {
+                self.below[at + (i >> 6)] |= bit << (i & 63);
+                at += self.words(l);
+                i >>= 6;
+            }
+        }
+        let was = self.top;
+        self.top = was | bit << i;
+        was == 0
+    }
+
+    /// Sets bit `i` (clear before); returns whether the set was empty before.
+    #[inline]
+    fn set(&mut self, i: usize) -> bool {
+        debug_assert!(!self.test(i));
+        self.set_if(i, true)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn allocate(&mut self) {
+        let n = (0..u32::from(self.depth)).map(|l| self.words(l)).sum();
+        self.below = vec![0; n].into_boxed_slice();
+    }
+
+    /// Clears bit `i` if `cond` (it is set then); returns whether the set is empty now. Without
+    /// branches on the bits, as `set_if`: a summary bit is cleared only where the word below
+    /// it turned zero.
+    #[inline]
+    fn clear_if(&mut self, mut i: usize, cond: bool) -> bool {
+        debug_assert!(!cond || self.test(i));
+        let mut clear = u64::from(cond);
+        let mut at = 0;
+        for l in 0..u32::from(self.depth) {
+            let w = &mut self.below[at + (i >> 6)];
+            *w &= !(clear << (i & 63));
+            clear &= u64::from(*w == 0);
+            at += self.words(l);
+            i >>= 6;
+        }
+        self.top &= !(clear << i);
+        self.top == 0
+    }
+
+    /// Clears bit `i` (set before); returns whether the set is empty now.
+    #[inline]
+    fn clear(&mut self, i: usize) -> bool {
+        self.clear_if(i, true)
+    }
+
+    /// The lowest set bit.
+    #[inline]
+    fn first(&self) -> Option<usize> {
+        if self.top == 0 {
+            return None;
+        }
+        let mut i = self.top.trailing_zeros() as usize;
+        let mut at = self.below.len();
+        for l in (0..u32::from(self.depth)).rev() {
+            at -= self.words(l);
+            i = i << 6 | self.below[at + i].trailing_zeros() as usize;
+        }
+        Some(i)
+    }
+
+    /// The levels, leaves first (the last is `top`); only the top while `below` is not
+    /// allocated.
+    fn levels(&self) -> Vec<&[u64]> {
+        let mut levels = Vec::new();
+        let mut at = 0;
+        if !self.below.is_empty() {
+            for l in 0..u32::from(self.depth) {
+                levels.push(&self.below[at..at + self.words(l)]);
+                at += self.words(l);
+            }
+        }
+        levels.push(std::slice::from_ref(&self.top));
+        levels
+    }
+
+    /// The set bits, lowest first.
+    fn ones(&self) -> impl Iterator<Item = usize> + '_ {
+        let leaves = if self.depth > 0 && self.below.is_empty() {
+            &[][..]
+        } else {
+            self.levels()[0]
+        };
+        leaves.iter().enumerate().flat_map(|(j, &w)| {
+            let mut w = w;
+            std::iter::from_fn(move || {
+                (w != 0).then(|| {
+                    let b = w.trailing_zeros() as usize;
+                    w &= w - 1;
+                    j << 6 | b
+                })
+            })
+        })
+    }
+
+    /// The same bits in a set of `2^log_len` bits (large enough for them).
+    fn resized(&self, log_len: u32) -> Self {
+        let mut b = Self::new(log_len);
+        for i in self.ones() {
+            b.set(i);
+        }
+        b
+    }
+
+    /// Checks that no bit lies beyond the length and that the summary levels agree with the
+    /// levels below them.
+    fn check(&self) -> Result<(), String> {
+        if self.depth > 0 && self.below.is_empty() {
+            return match self.top {
+                0 => Ok(()),
+                _ => Err("bitmap: summary bits set over no leaves".into()),
+            };
+        }
+        let levels = self.levels();
+        let top_bits = u32::from(self.log_len) - 6 * u32::from(self.depth);
+        if top_bits < 6 && self.top >> (1 << top_bits) != 0 {
+            return Err("bitmap: bits set past its length".into());
+        }
+        for (l, pair) in levels.windows(2).enumerate() {
+            let (below, above) = (pair[0], pair[1]);
+            for (j, &w) in below.iter().enumerate() {
+                if (above[j >> 6] >> (j & 63) & 1 != 0) != (w != 0) {
+                    return Err(format!(
+                        "bitmap level {}: bit {j} disagrees with its word",
+                        l + 1
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 struct Arena {
-    /// Creation order: free blocks are taken from older arenas first.
+    /// Creation order (rises with the slot): free blocks are taken from older arenas first.
     seq: u64,
     base: u64,
     order: u32,
     pool: Pool,
+    /// The free blocks of each order from `MIN_ORDER` up, by offset >> order.
+    by_order: Box<[Bits]>,
 }
 
-/// What free-list operations need of a block's arena.
-#[derive(Clone, Copy)]
-struct Spot {
-    seq: u64,
-    base: u64,
-    order: u32,
-    pool: Pool,
+impl Arena {
+    fn new(seq: u64, base: u64, order: u32, pool: Pool) -> Self {
+        Self {
+            seq,
+            base,
+            order,
+            pool,
+            by_order: (MIN_ORDER..=order).map(|k| Bits::new(order - k)).collect(),
+        }
+    }
+
+    /// The free blocks of order `k` (at least `MIN_ORDER`, at most the arena's).
+    #[inline]
+    fn free(&self, k: u32) -> &Bits {
+        &self.by_order[(k - MIN_ORDER) as usize]
+    }
+
+    #[inline]
+    fn free_mut(&mut self, k: u32) -> &mut Bits {
+        &mut self.by_order[(k - MIN_ORDER) as usize]
+    }
 }
 
+/// Which arenas hold a free block of each order, and which orders have any.
+struct ByOrder {
+    /// Bit k: some arena holds a free block of order k.
+    orders: u64,
+    /// `slots[k]`: the slots of the arenas holding a free block of order k.
+    slots: Vec<Bits>,
+}
+
+impl ByOrder {
+    /// Room for 64 arenas before the first resize.
+    const MIN_LOG_SLOTS: u32 = 6;
+
+    fn new() -> Self {
+        Self {
+            orders: 0,
+            slots: (0..=MAX_ORDER)
+                .map(|_| Bits::new(Self::MIN_LOG_SLOTS))
+                .collect(),
+        }
+    }
+
+    /// Makes room for slot `slot`.
+    fn reserve(&mut self, slot: usize) {
+        let log = u32::from(self.slots[0].log_len);
+        if slot >> log != 0 {
+            for s in &mut self.slots {
+                *s = s.resized(log + 1);
+            }
+        }
+    }
+
+    /// The index built again from the arenas' bitmaps, sized for them.
+    fn rebuild(&mut self, arenas: &[Arena]) {
+        let log = arenas
+            .len()
+            .next_power_of_two()
+            .trailing_zeros()
+            .max(Self::MIN_LOG_SLOTS);
+        self.orders = 0;
+        self.slots = (0..=MAX_ORDER).map(|_| Bits::new(log)).collect();
+        for (slot, a) in arenas.iter().enumerate() {
+            for k in MIN_ORDER..=a.order {
+                if !a.free(k).is_empty() {
+                    self.slots[k as usize].set(slot);
+                    self.orders |= 1 << k;
+                }
+            }
+        }
+    }
+
+    /// Files block `idx` of order `k` of arena `a` (at `slot`) as free. Whether it is the
+    /// arena's first block of that order is random on a random workload, hence no branch on it.
+    /// (Always inlined: the split and merge loops call these, and a call each was measurable.)
+    #[inline(always)]
+    fn push(&mut self, a: &mut Arena, slot: usize, k: u32, idx: usize) {
+        let first = a.free_mut(k).set(idx);
+        self.slots[k as usize].set_if(slot, first);
+        self.orders |= 1 << k;
+    }
+
+    /// Takes the free block `idx` of order `k` of arena `a` (at `slot`) off the index.
+    #[inline(always)]
+    fn take(&mut self, a: &mut Arena, slot: usize, k: u32, idx: usize) {
+        let last = a.free_mut(k).clear(idx);
+        let none = self.slots[k as usize].clear_if(slot, last);
+        self.orders &= !(u64::from(none) << k);
+    }
+}
+
+/// A block handed out (and, if `pending`, freed but not yet reusable).
 struct Live {
-    order: u32,
     requested: u64,
+    /// The arena's index in `Buddy::arenas`.
+    slot: u32,
+    order: u8,
     pool: Pool,
     pending: bool,
 }
@@ -47,10 +351,13 @@ struct Live {
 /// The buddy policy for one stream.
 pub struct Buddy {
     stream: Stream,
-    /// Free blocks by order, keyed by (arena seq, address).
-    free: Vec<BTreeSet<(u64, u64)>>,
+    /// Arenas in creation order.
+    arenas: Vec<Arena>,
+    /// Arena slots by base address, for the lookups by address (none on the hot path).
+    by_base: BTreeMap<u64, u32>,
+    /// Which arenas hold free blocks of each order (the blocks themselves are in the arenas).
+    index: ByOrder,
     live: FxHashMap<u64, Live>,
-    arenas: BTreeMap<u64, Arena>,
     next_seq: u64,
     stats: MemoryStats,
 }
@@ -64,55 +371,71 @@ impl Buddy {
     pub fn new(stream: Stream) -> Self {
         Self {
             stream,
-            free: (0..=MAX_ORDER).map(|_| BTreeSet::new()).collect(),
+            arenas: Vec::new(),
+            by_base: BTreeMap::new(),
+            index: ByOrder::new(),
             live: FxHashMap::default(),
-            arenas: BTreeMap::new(),
             next_seq: 0,
             stats: MemoryStats::default(),
         }
     }
 
+    #[cfg(test)]
     fn arena_of(&self, addr: u64) -> &Arena {
-        self.find_arena(addr).expect("address inside an arena")
+        &self.arenas[self.find_slot(addr).expect("address inside an arena")]
     }
 
-    /// The arena holding `addr`, if any.
-    fn find_arena(&self, addr: u64) -> Option<&Arena> {
-        self.arenas
+    /// The slot of the arena holding `addr`, if any.
+    fn find_slot(&self, addr: u64) -> Option<usize> {
+        self.by_base
             .range(..=addr)
             .next_back()
-            .map(|(_, a)| a)
-            .filter(|a| addr < a.base + (1u64 << a.order))
+            .map(|(_, &s)| s as usize)
+            .filter(|&s| addr - self.arenas[s].base < 1 << self.arenas[s].order)
     }
 
-    /// The arena of `addr` as push/take need it (looked up once per operation).
-    fn spot(&self, addr: u64) -> Spot {
-        let a = self.arena_of(addr);
-        Spot {
-            seq: a.seq,
-            base: a.base,
-            order: a.order,
-            pool: a.pool,
-        }
+    /// A new arena of order `order`, with no free block yet.
+    fn new_arena(&mut self, order: u32, pool: Pool, dev: &Device) -> Result<usize, BackendError> {
+        let base = dev.lock().alloc_segment(1 << order, pool)?;
+        let slot = self.arenas.len();
+        self.index.reserve(slot);
+        self.arenas
+            .push(Arena::new(self.next_seq, base, order, pool));
+        self.next_seq += 1;
+        self.by_base.insert(base, slot as u32);
+        Ok(slot)
     }
 
-    fn push_free(&mut self, at: Spot, addr: u64, order: u32) {
-        self.free[order as usize].insert((at.seq, addr));
-        if order < at.order {
-            self.stats.inactive_split.inc(at.pool, 1);
-            self.stats.inactive_split_bytes.inc(at.pool, 1 << order);
+    /// Returns the live block `l` at `addr` to the free blocks, merging it with free buddies.
+    fn put_back(&mut self, addr: u64, l: Live) {
+        self.stats.block_released(l.pool, 1 << l.order, l.requested);
+        let slot = l.slot as usize;
+        let a = &mut self.arenas[slot];
+        let order = u32::from(l.order);
+        let (mut off, mut k) = (addr - a.base, order);
+        while k < a.order {
+            let buddy = (off >> k) as usize ^ 1;
+            if !a.free(k).test(buddy) {
+                break;
+            }
+            self.index.take(a, slot, k, buddy);
+            off &= !(1 << k);
+            k += 1;
         }
-    }
-
-    fn take_free(&mut self, at: Spot, addr: u64, order: u32) -> bool {
-        if !self.free[order as usize].remove(&(at.seq, addr)) {
-            return false;
+        // Every buddy merged was a split block (below the arena's order), and so is the merged
+        // block unless it is the whole arena. One update for all the buddies gives the totals
+        // and peak that one per buddy gave (decrements set no peak).
+        if k > order {
+            self.stats.inactive_split.dec(a.pool, u64::from(k - order));
+            self.stats
+                .inactive_split_bytes
+                .dec(a.pool, (1 << k) - (1 << order));
         }
-        if order < at.order {
-            self.stats.inactive_split.dec(at.pool, 1);
-            self.stats.inactive_split_bytes.dec(at.pool, 1 << order);
+        if k < a.order {
+            self.stats.inactive_split.inc(a.pool, 1);
+            self.stats.inactive_split_bytes.inc(a.pool, 1 << k);
         }
-        true
+        self.index.push(a, slot, k, (off >> k) as usize);
     }
 }
 
@@ -130,39 +453,46 @@ impl Policy for Buddy {
             ));
         }
         let pool = Pool::of(1 << order);
-        let found = (order..=MAX_ORDER)
-            .find(|&k| !self.free[k as usize].is_empty())
-            .map(|k| (k, self.free[k as usize].iter().next().expect("non-empty").1));
-        let (mut k, addr) = match found {
-            Some(f) => f,
-            None => {
-                let aorder = order.max(ARENA_ORDER);
-                let base = dev.lock().alloc_segment(1 << aorder, pool)?;
-                let seq = self.next_seq;
-                self.next_seq += 1;
-                self.arenas.insert(
-                    base,
-                    Arena {
-                        seq,
-                        base,
-                        order: aorder,
-                        pool,
-                    },
-                );
-                self.free[aorder as usize].insert((seq, base));
-                (aorder, base)
+        let fit = self.index.orders >> order;
+        let (slot, mut k, off) = if fit != 0 {
+            let k = order + fit.trailing_zeros();
+            let slot = self.index.slots[k as usize]
+                .first()
+                .expect("an arena is filed under each order in use");
+            let a = &mut self.arenas[slot];
+            let idx = a
+                .free(k)
+                .first()
+                .expect("an arena filed under an order has a block of it");
+            self.index.take(a, slot, k, idx);
+            if k < a.order {
+                self.stats.inactive_split.dec(a.pool, 1);
+                self.stats.inactive_split_bytes.dec(a.pool, 1 << k);
             }
+            (slot, k, (idx as u64) << k)
+        } else {
+            let aorder = order.max(ARENA_ORDER);
+            (self.new_arena(aorder, pool, dev)?, aorder, 0)
         };
-        let at = self.spot(addr);
-        self.take_free(at, addr, k);
-        while k > order {
-            k -= 1;
-            self.push_free(at, addr + (1 << k), k);
+        let a = &mut self.arenas[slot];
+        if k > order {
+            // The upper halves split off, all below the arena's order: one update for all gives
+            // the totals and peak that one per half gave (the value only rises).
+            self.stats.inactive_split.inc(a.pool, u64::from(k - order));
+            self.stats
+                .inactive_split_bytes
+                .inc(a.pool, (1 << k) - (1 << order));
+            while k > order {
+                k -= 1;
+                self.index.push(a, slot, k, (off >> k) as usize | 1);
+            }
         }
+        let addr = a.base + off;
         self.live.insert(
             addr,
             Live {
-                order,
+                order: order as u8,
+                slot: slot as u32,
                 requested: size,
                 pool,
                 pending: false,
@@ -189,46 +519,77 @@ impl Policy for Buddy {
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
-        let Some(l) = self.live.get(&addr) else {
-            return Ok(());
-        };
-        if !l.pending {
-            return Ok(());
-        }
-        let l = self.live.remove(&addr).expect("present");
-        let bytes = 1u64 << l.order;
-        self.stats.block_released(l.pool, bytes, l.requested);
-        let at = self.spot(addr);
-        let base = at.base;
-        let (mut addr, mut order) = (addr, l.order);
-        while order < at.order {
-            let buddy = base + ((addr - base) ^ (1 << order));
-            if !self.take_free(at, buddy, order) {
-                break;
+        if let Entry::Occupied(e) = self.live.entry(addr) {
+            if e.get().pending {
+                let l = e.remove();
+                self.put_back(addr, l);
             }
-            addr = addr.min(buddy);
-            order += 1;
         }
-        self.push_free(at, addr, order);
         Ok(())
     }
 
-    fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
-        let whole: Vec<(u64, u64, u32, Pool)> = self
-            .arenas
-            .values()
-            .filter(|a| self.free[a.order as usize].contains(&(a.seq, a.base)))
-            .map(|a| (a.seq, a.base, a.order, a.pool))
-            .collect();
-        let mut freed = 0;
-        let mut d = dev.lock();
-        for (seq, base, order, pool) in whole {
-            self.free[order as usize].remove(&(seq, base));
-            self.arenas.remove(&base);
-            d.free_segment(base, 1 << order, pool)?;
-            freed += 1u64 << order;
+    /// `free_requested` then `release`, with one lookup.
+    fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
+        let Entry::Occupied(e) = self.live.entry(addr) else {
+            return Ok(None);
+        };
+        if e.get().pending {
+            return Ok(None);
         }
-        Ok(freed)
+        let l = e.remove();
+        let bytes = 1u64 << l.order;
+        self.stats.block_freed(l.pool, bytes);
+        self.put_back(addr, l);
+        Ok(Some(bytes))
+    }
+
+    fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
+        // Whole free arenas, returned in address order.
+        let whole: Vec<usize> = self
+            .by_base
+            .values()
+            .map(|&s| s as usize)
+            .filter(|&s| {
+                let a = &self.arenas[s];
+                a.free(a.order).test(0)
+            })
+            .collect();
+        if whole.is_empty() {
+            return Ok(0);
+        }
+        let mut gone = vec![false; self.arenas.len()];
+        let mut freed = 0;
+        let mut result = Ok(());
+        {
+            let mut d = dev.lock();
+            for s in whole {
+                let a = &self.arenas[s];
+                // Forgotten before the call: an arena the driver refuses to free is not reused.
+                gone[s] = true;
+                if let Err(e) = d.free_segment(a.base, 1 << a.order, a.pool) {
+                    result = Err(e);
+                    break;
+                }
+                freed += 1u64 << a.order;
+            }
+        }
+        // Compact the arenas, keeping creation order, and renumber everything holding a slot.
+        let mut new_slot = vec![u32::MAX; self.arenas.len()];
+        let old = std::mem::take(&mut self.arenas);
+        for (s, a) in old.into_iter().enumerate() {
+            if !gone[s] {
+                new_slot[s] = self.arenas.len() as u32;
+                self.arenas.push(a);
+            }
+        }
+        for l in self.live.values_mut() {
+            l.slot = new_slot[l.slot as usize];
+        }
+        self.by_base = (self.arenas.iter().enumerate())
+            .map(|(s, a)| (a.base, s as u32))
+            .collect();
+        self.index.rebuild(&self.arenas);
+        result.map(|()| freed)
     }
 
     fn stats(&self) -> &MemoryStats {
@@ -240,22 +601,21 @@ impl Policy for Buddy {
     }
 
     fn largest_free(&self) -> u64 {
-        (0..=MAX_ORDER)
-            .rev()
-            .find(|&k| !self.free[k as usize].is_empty())
-            .map(|k| 1u64 << k)
-            .unwrap_or(0)
+        match self.index.orders {
+            0 => 0,
+            o => 1 << (63 - o.leading_zeros()),
+        }
     }
 
     fn segments(&self) -> Vec<SegmentInfo> {
-        self.arenas
+        self.by_base
             .values()
-            .map(|a| {
-                let end = a.base + (1u64 << a.order);
+            .map(|&s| {
+                let a = &self.arenas[s as usize];
                 let mut blocks: Vec<BlockInfo> = self
                     .live
                     .iter()
-                    .filter(|(&p, _)| p >= a.base && p < end)
+                    .filter(|(_, l)| l.slot == s)
                     .map(|(&p, l)| BlockInfo {
                         addr: p,
                         size: 1 << l.order,
@@ -267,15 +627,13 @@ impl Policy for Buddy {
                         },
                     })
                     .collect();
-                for (k, set) in self.free.iter().enumerate() {
-                    for &(_, p) in set.range((a.seq, a.base)..(a.seq, end)) {
-                        blocks.push(BlockInfo {
-                            addr: p,
-                            size: 1 << k,
-                            requested: 0,
-                            kind: BlockKind::Free,
-                        });
-                    }
+                for k in MIN_ORDER..=a.order {
+                    blocks.extend(a.free(k).ones().map(|i| BlockInfo {
+                        addr: a.base + ((i as u64) << k),
+                        size: 1 << k,
+                        requested: 0,
+                        kind: BlockKind::Free,
+                    }));
                 }
                 blocks.sort_by_key(|b| b.addr);
                 SegmentInfo {
@@ -294,11 +652,16 @@ impl Policy for Buddy {
     }
 
     fn is_free_block(&self, addr: DevPtr) -> bool {
-        self.find_arena(addr)
-            .is_some_and(|a| self.free.iter().any(|s| s.contains(&(a.seq, addr))))
+        self.find_slot(addr).is_some_and(|s| {
+            let a = &self.arenas[s];
+            let off = addr - a.base;
+            (MIN_ORDER..=a.order)
+                .any(|k| off & ((1 << k) - 1) == 0 && a.free(k).test((off >> k) as usize))
+        })
     }
 
     fn check(&self) -> Result<(), String> {
+        // The blocks (live ones by their slot, free ones from the bitmaps) tile each arena.
         for seg in self.segments() {
             let mut at = seg.addr;
             for b in &seg.blocks {
@@ -314,22 +677,73 @@ impl Policy for Buddy {
                 return Err(format!("arena {:#x} not tiled", seg.addr));
             }
         }
-        // No free block may have a free buddy of the same order.
-        for (k, set) in self.free.iter().enumerate() {
-            for &(seq, p) in set {
-                let a = self.arena_of(p);
-                if a.seq != seq {
-                    return Err(format!(
-                        "free block {p:#x} filed under arena {seq}, not {}",
-                        a.seq
-                    ));
+        if self.by_base.len() != self.arenas.len()
+            || (self.by_base.iter())
+                .any(|(&b, &s)| self.arenas.get(s as usize).map(|a| a.base) != Some(b))
+        {
+            return Err("arenas by address disagree with the arenas".into());
+        }
+        if let Some((&p, _)) =
+            (self.live.iter()).find(|(&p, l)| self.find_slot(p) != Some(l.slot as usize))
+        {
+            return Err(format!("live block {p:#x} filed under the wrong arena"));
+        }
+        let (mut split, mut split_bytes) = ([0i64; 2], [0i64; 2]);
+        for (s, a) in self.arenas.iter().enumerate() {
+            if s > 0 && self.arenas[s - 1].seq >= a.seq {
+                return Err(format!("arena {:#x} out of creation order", a.base));
+            }
+            for k in 0..=MAX_ORDER {
+                let f = (MIN_ORDER..=a.order).contains(&k).then(|| a.free(k));
+                if f.is_some_and(|f| !f.is_empty()) != self.index.slots[k as usize].test(s) {
+                    return Err(format!("arena {:#x}: order {k} misfiled by order", a.base));
                 }
-                if (k as u32) < a.order {
-                    let buddy = a.base + ((p - a.base) ^ (1 << k));
-                    if set.contains(&(seq, buddy)) {
-                        return Err(format!("free buddies {p:#x} and {buddy:#x} not merged"));
+                let Some(f) = f else { continue };
+                f.check()
+                    .map_err(|e| format!("arena {:#x}, order {k}: {e}", a.base))?;
+                if k < a.order {
+                    for i in f.ones() {
+                        // No free block may have a free buddy of the same order.
+                        if f.test(i ^ 1) {
+                            return Err(format!(
+                                "free buddies at {:#x} and {:#x} not merged",
+                                a.base + ((i as u64) << k),
+                                a.base + (((i ^ 1) as u64) << k)
+                            ));
+                        }
+                        split[a.pool as usize] += 1;
+                        split_bytes[a.pool as usize] += 1 << k;
                     }
                 }
+            }
+        }
+        for (k, s) in self.index.slots.iter().enumerate() {
+            s.check().map_err(|e| format!("arenas of order {k}: {e}"))?;
+            if s.ones().any(|slot| slot >= self.arenas.len()) {
+                return Err(format!("arenas of order {k}: a slot past the last arena"));
+            }
+            if s.is_empty() == (self.index.orders >> k & 1 != 0) {
+                return Err(format!("order {k} misfiled in the orders in use"));
+            }
+        }
+        let st = &self.stats;
+        for (pool, stat, bytes) in [
+            (
+                Pool::Small,
+                st.inactive_split.small_pool,
+                st.inactive_split_bytes.small_pool,
+            ),
+            (
+                Pool::Large,
+                st.inactive_split.large_pool,
+                st.inactive_split_bytes.large_pool,
+            ),
+        ] {
+            if (stat.current, bytes.current) != (split[pool as usize], split_bytes[pool as usize]) {
+                return Err(format!(
+                    "inactive_split of {} disagrees with the free blocks",
+                    pool.name()
+                ));
             }
         }
         Ok(())
@@ -341,6 +755,7 @@ mod tests {
     use super::*;
     use crate::backend::sim::{SimBackend, SimConfig};
     use crate::backend::CostModel;
+    use std::collections::{BTreeSet, HashMap};
 
     #[test]
     fn orders_round_to_powers_of_two() {
@@ -421,5 +836,238 @@ mod tests {
         );
         assert_eq!(rising, falling);
         assert_eq!(rising_peak, falling_peak);
+    }
+    /// The placement rule spelled out the slow way, as the allocator kept it before the
+    /// bitmaps: free blocks by order in ordered sets of (arena seq, offset), and the
+    /// statistics updated block by block.
+    struct Model {
+        /// Order and pool of each arena, by seq.
+        arenas: BTreeMap<u64, (u32, Pool)>,
+        free: Vec<BTreeSet<(u64, u64)>>,
+        /// (order, requested, pool, pending) by (seq, offset).
+        live: HashMap<(u64, u64), (u32, u64, Pool, bool)>,
+        next_seq: u64,
+        stats: MemoryStats,
+    }
+
+    impl Model {
+        fn new() -> Self {
+            Self {
+                arenas: BTreeMap::new(),
+                free: vec![BTreeSet::new(); MAX_ORDER as usize + 1],
+                live: HashMap::new(),
+                next_seq: 0,
+                stats: MemoryStats::default(),
+            }
+        }
+
+        fn push(&mut self, seq: u64, off: u64, k: u32) {
+            self.free[k as usize].insert((seq, off));
+            let (order, pool) = self.arenas[&seq];
+            if k < order {
+                self.stats.inactive_split.inc(pool, 1);
+                self.stats.inactive_split_bytes.inc(pool, 1 << k);
+            }
+        }
+
+        fn take(&mut self, seq: u64, off: u64, k: u32) -> bool {
+            if !self.free[k as usize].remove(&(seq, off)) {
+                return false;
+            }
+            let (order, pool) = self.arenas[&seq];
+            if k < order {
+                self.stats.inactive_split.dec(pool, 1);
+                self.stats.inactive_split_bytes.dec(pool, 1 << k);
+            }
+            true
+        }
+
+        /// (arena seq, offset) of the block placed.
+        fn allocate(&mut self, size: u64) -> (u64, u64) {
+            let order = order_of(size);
+            let pool = Pool::of(1 << order);
+            let found = (order..=MAX_ORDER)
+                .find_map(|k| self.free[k as usize].first().map(|&(s, o)| (k, s, o)));
+            let (mut k, seq, off) = found.unwrap_or_else(|| {
+                let aorder = order.max(ARENA_ORDER);
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.arenas.insert(seq, (aorder, pool));
+                self.free[aorder as usize].insert((seq, 0));
+                (aorder, seq, 0)
+            });
+            assert!(self.take(seq, off, k));
+            while k > order {
+                k -= 1;
+                self.push(seq, off + (1 << k), k);
+            }
+            self.live.insert((seq, off), (order, size, pool, false));
+            self.stats.block_handed_out(pool, 1 << order, size);
+            (seq, off)
+        }
+
+        fn free_requested(&mut self, at: (u64, u64)) -> Option<u64> {
+            let l = self.live.get_mut(&at)?;
+            if l.3 {
+                return None;
+            }
+            l.3 = true;
+            self.stats.block_freed(l.2, 1 << l.0);
+            Some(1 << l.0)
+        }
+
+        fn release(&mut self, at: (u64, u64)) {
+            if !self.live.get(&at).is_some_and(|l| l.3) {
+                return;
+            }
+            let (order, requested, pool, _) = self.live.remove(&at).unwrap();
+            self.stats.block_released(pool, 1 << order, requested);
+            let ((seq, mut off), mut k) = (at, order);
+            while k < self.arenas[&seq].0 && self.take(seq, off ^ (1 << k), k) {
+                off &= !(1 << k);
+                k += 1;
+            }
+            self.push(seq, off, k);
+        }
+
+        fn release_cached(&mut self) -> u64 {
+            let whole: Vec<(u64, u32)> = (self.arenas.iter())
+                .filter(|(&s, &(o, _))| self.free[o as usize].contains(&(s, 0)))
+                .map(|(&s, &(o, _))| (s, o))
+                .collect();
+            for &(s, o) in &whole {
+                self.free[o as usize].remove(&(s, 0));
+                self.arenas.remove(&s);
+            }
+            whole.iter().map(|&(_, o)| 1u64 << o).sum()
+        }
+
+        fn is_free(&self, at: (u64, u64)) -> bool {
+            self.free.iter().any(|s| s.contains(&at))
+        }
+
+        fn largest_free(&self) -> u64 {
+            (0..=MAX_ORDER)
+                .rev()
+                .find(|&k| !self.free[k as usize].is_empty())
+                .map_or(0, |k| 1 << k)
+        }
+    }
+
+    /// Random requests (a few larger than an arena), frees now or after a wait, and cache
+    /// releases: every placement, the statistics after every step and the free-block queries
+    /// agree with the reference model.
+    #[test]
+    fn placements_match_a_reference_model() {
+        let (mut compacted, mut huge) = (0, 0);
+        for seed in [1u64, 2, 3, 0x9e37_79b9_7f4a_7c15] {
+            let d = Device::new(
+                Box::new(SimBackend::new(SimConfig::default()).0),
+                CostModel::zero(),
+            );
+            let (mut b, mut m) = (Buddy::new(0), Model::new());
+            // (address, (arena seq, offset)) of the blocks live, and of those freed but waiting.
+            let mut live: Vec<(u64, (u64, u64))> = Vec::new();
+            let mut waiting: Vec<(u64, (u64, u64))> = Vec::new();
+            let mut x = seed;
+            for step in 0..20_000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let r = x % 1000;
+                if (r < 540 && live.len() < 300) || (live.is_empty() && waiting.is_empty()) {
+                    let size = match (x >> 12) % 100 {
+                        0..=69 => 1 + (x >> 20) % (64 << 10),
+                        70..=89 => 1 + (x >> 20) % (8 << 20),
+                        90..=97 => 1 + (x >> 20) % (64 << 20),
+                        _ => (64 << 20) + (x >> 20) % (448 << 20),
+                    };
+                    huge += usize::from(order_of(size) > ARENA_ORDER);
+                    let p = b.allocate(size, &d).unwrap();
+                    let at = m.allocate(size);
+                    let a = b.arena_of(p.addr);
+                    assert_eq!(
+                        (a.seq, p.addr - a.base),
+                        at,
+                        "step {step}: allocate({size})"
+                    );
+                    assert_eq!(p.size, 1 << order_of(size));
+                    live.push((p.addr, at));
+                } else if r < 940 && !live.is_empty() {
+                    let (addr, at) = live.swap_remove((x >> 24) as usize % live.len());
+                    if x >> 40 & 7 == 0 {
+                        assert_eq!(b.free_requested(addr), m.free_requested(at));
+                        assert_eq!(b.free_requested(addr), None);
+                        assert_eq!(b.free(addr, &d).unwrap(), None);
+                        waiting.push((addr, at));
+                    } else {
+                        assert_eq!(b.free(addr, &d).unwrap(), m.free_requested(at));
+                        m.release(at);
+                        assert_eq!(b.is_free_block(addr), m.is_free(at));
+                    }
+                } else if r < 990 && !waiting.is_empty() {
+                    let (addr, at) = waiting.swap_remove((x >> 24) as usize % waiting.len());
+                    b.release(addr, &d).unwrap();
+                    m.release(at);
+                    assert_eq!(b.is_free_block(addr), m.is_free(at));
+                } else {
+                    let before = b.arenas.len();
+                    let freed = b.release_cached(&d).unwrap();
+                    assert_eq!(freed, m.release_cached(), "step {step}: release_cached");
+                    compacted += usize::from(b.arenas.len() < before && !live.is_empty());
+                }
+                assert_eq!(b.stats(), &m.stats, "step {step}");
+                assert_eq!(b.largest_free(), m.largest_free(), "step {step}");
+                // Any 512 B boundary of any arena: a free block starts there in both or neither.
+                if !b.arenas.is_empty() {
+                    let a = &b.arenas[(x >> 32) as usize % b.arenas.len()];
+                    let off = ((x >> 8) % (1 << a.order)) & !511;
+                    assert_eq!(b.is_free_block(a.base + off), m.is_free((a.seq, off)));
+                }
+                if step % 97 == 0 {
+                    b.check().unwrap();
+                }
+            }
+            for (addr, at) in live {
+                assert_eq!(b.free(addr, &d).unwrap(), m.free_requested(at));
+                m.release(at);
+            }
+            for (addr, at) in waiting {
+                b.release(addr, &d).unwrap();
+                m.release(at);
+            }
+            b.check().unwrap();
+            assert_eq!(b.release_cached(&d).unwrap(), m.release_cached());
+            assert_eq!(b.stats(), &m.stats);
+            assert!(b.arenas.is_empty() && b.segments().is_empty());
+            assert_eq!(d.lock().held(), 0);
+        }
+        assert!(
+            compacted > 10,
+            "too few cache releases that kept arenas: {compacted}"
+        );
+        assert!(huge > 100, "too few requests larger than an arena: {huge}");
+    }
+
+    #[test]
+    fn bits_find_set_and_clear_through_their_levels() {
+        for log_len in [0, 3, 6, 7, 12, 13, 17] {
+            let mut bits = Bits::new(log_len);
+            let n = 1usize << log_len;
+            assert!(bits.is_empty() && bits.first().is_none() && !bits.test(n - 1));
+            let picks: Vec<usize> = (0..n).filter(|i| i % 37 == 5 || *i == n - 1).collect();
+            for (j, &i) in picks.iter().rev().enumerate() {
+                assert_eq!(bits.set(i), j == 0);
+                assert_eq!(bits.first(), Some(i));
+            }
+            bits.check().unwrap();
+            assert!(bits.ones().eq(picks.iter().copied()));
+            for (j, &i) in picks.iter().enumerate() {
+                assert_eq!(bits.first(), Some(i));
+                assert_eq!(bits.clear(i), j + 1 == picks.len());
+                bits.check().unwrap();
+            }
+            assert!(bits.is_empty());
+        }
     }
 }
