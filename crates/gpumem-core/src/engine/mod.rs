@@ -10,7 +10,7 @@ use crate::backend::{Backend, CallCounts, DevPtr, DeviceInfo, EventHandle, Strea
 use crate::config::Config;
 use crate::device::{Device, SegmentAction};
 use crate::error::{AllocError, BackendError, OomReport};
-use crate::policy::{PolicyFactory, PolicyKind, SegmentInfo};
+use crate::policy::{Placement, PolicyFactory, PolicyKind, SegmentInfo};
 use crate::stats::MemoryStats;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -155,66 +155,102 @@ impl Allocator {
     }
 
     /// Allocates `size` bytes for use on `stream`.
+    ///
+    /// The common case (a valid size, placed at the first try) is inlined into callers; bad
+    /// sizes and failed placements go to out-of-line paths.
+    #[inline]
     pub fn allocate(&self, size: u64, stream: Stream) -> Result<Allocation, AllocError> {
-        let total = self.device.info().total_bytes;
-        if size == 0 {
-            return Err(AllocError::InvalidSize {
-                size,
-                reason: "zero-byte allocations have no address; skip the call".into(),
-            });
-        }
-        if size > total {
-            // No device could hold it: PyTorch counts this as an out-of-memory too.
-            if let Ok((_, shard)) = self.shard(stream) {
-                shard.state.lock().ooms += 1;
-            }
-            return Err(AllocError::InvalidSize {
-                size,
-                reason: format!(
-                    "larger than the whole device ({} bytes of {})",
-                    total,
-                    self.device.info().name
-                ),
-            });
+        if size == 0 || size > self.device.info().total_bytes {
+            return Err(self.invalid_size(size, stream));
         }
         let (idx, shard) = self.shard(stream)?;
-        let mut retries = 0;
-        loop {
-            let result = {
-                let mut st = shard.state.lock();
-                if !st.pending.is_empty() {
-                    self.poll_events(&mut st, stream, false)?;
-                }
-                let r = st.policy.allocate(size, &self.device);
-                if retries > 0 {
-                    st.retries += 1;
-                }
-                r
-            };
-            match result {
-                Ok(p) => {
-                    self.track(Action::Alloc, p.addr, size, stream);
-                    return Ok(Allocation {
-                        ptr: p.addr,
-                        size: p.size,
-                        stream,
-                        shard: idx,
-                        handle: p.handle,
-                    });
-                }
-                Err(e) if e.out_of_memory && retries == 0 => {
-                    retries += 1;
-                    self.release_all_cached()?;
-                }
-                Err(e) if e.out_of_memory => {
-                    let report = self.oom_report(size, stream, retries);
-                    shard.state.lock().ooms += 1;
-                    // As in PyTorch, an OOM entry carries the device's free bytes as its address.
-                    self.track(Action::Oom, report.device_free, size, stream);
-                    return Err(AllocError::OutOfMemory(Box::new(report)));
-                }
-                Err(e) => return Err(e.into()),
+        let first = {
+            let mut st = shard.state.lock();
+            if !st.pending.is_empty() {
+                self.poll_events(&mut st, stream, false)?;
             }
+            st.policy.allocate(size, &self.device)
+        };
+        match first {
+            Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
+            Err(e) => self.allocate_again(size, stream, idx, shard, e),
+        }
+    }
+
+    /// The allocation for placement `p`, tracked.
+    #[inline]
+    fn handed_out(&self, p: Placement, size: u64, stream: Stream, shard: u32) -> Allocation {
+        if self.tracker.is_some() {
+            self.track(Action::Alloc, p.addr, size, stream);
+        }
+        Allocation {
+            ptr: p.addr,
+            size: p.size,
+            stream,
+            shard,
+            handle: p.handle,
+        }
+    }
+
+    /// The error for a zero size or one larger than the device.
+    #[cold]
+    #[inline(never)]
+    fn invalid_size(&self, size: u64, stream: Stream) -> AllocError {
+        if size == 0 {
+            return AllocError::InvalidSize {
+                size,
+                reason: "zero-byte allocations have no address; skip the call".into(),
+            };
+        }
+        // No device could hold it: PyTorch counts this as an out-of-memory too.
+        if let Ok((_, shard)) = self.shard(stream) {
+            shard.state.lock().ooms += 1;
+        }
+        AllocError::InvalidSize {
+            size,
+            reason: format!(
+                "larger than the whole device ({} bytes of {})",
+                self.device.info().total_bytes,
+                self.device.info().name
+            ),
+        }
+    }
+
+    /// After a first placement failed with `first`: out of memory is retried once after
+    /// returning every cached block to the device, then reported; other errors are returned.
+    #[cold]
+    #[inline(never)]
+    fn allocate_again(
+        &self,
+        size: u64,
+        stream: Stream,
+        idx: u32,
+        shard: &Shard,
+        first: BackendError,
+    ) -> Result<Allocation, AllocError> {
+        if !first.out_of_memory {
+            return Err(first.into());
+        }
+        self.release_all_cached()?;
+        let again = {
+            let mut st = shard.state.lock();
+            if !st.pending.is_empty() {
+                self.poll_events(&mut st, stream, false)?;
+            }
+            let r = st.policy.allocate(size, &self.device);
+            st.retries += 1;
+            r
+        };
+        match again {
+            Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
+            Err(e) if e.out_of_memory => {
+                let report = self.oom_report(size, stream, 1);
+                shard.state.lock().ooms += 1;
+                // As in PyTorch, an OOM entry carries the device's free bytes as its address.
+                self.track(Action::Oom, report.device_free, size, stream);
+                Err(AllocError::OutOfMemory(Box::new(report)))
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
