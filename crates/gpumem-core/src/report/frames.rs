@@ -36,6 +36,7 @@ fn is_capture_frame(name: &str) -> bool {
         || name.starts_with("<std::backtrace")
         || name.contains("engine::track::Tracker::record")
         || name.contains("engine::Allocator::track")
+        || name.contains("engine::Allocator::handed_out")
 }
 
 /// Frames that are not the user's: gpumem's own crates (but not their tests), the standard
