@@ -345,26 +345,48 @@ impl Allocator {
 
     /// Frees the block at `ptr` (searching every stream's pool for it).
     pub fn free(&self, ptr: DevPtr) -> Result<(), AllocError> {
-        let (_, shard) = self.find_owner(ptr, None)?;
-        self.free_in(shard, ptr, None)
+        for (_, sh) in self.shards.iter() {
+            if self.try_free_in(sh, ptr, None)? {
+                return Ok(());
+            }
+        }
+        Err(self.not_live(ptr))
     }
 
     /// Frees the block at `ptr`, which was allocated on `stream` (PyTorch's free hook passes
-    /// it); falls back to a search if it was not.
+    /// it); falls back to a search if it was not. The common case takes the stream's lock
+    /// once: the free itself is the lookup.
     pub fn free_on(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
-        let (_, shard) = self.find_owner(ptr, Some(stream))?;
-        self.free_in(shard, ptr, None)
+        if let Some((_, sh)) = self.shards.get(stream) {
+            if self.try_free_in(sh, ptr, None)? {
+                return Ok(());
+            }
+        }
+        self.free(ptr)
     }
 
     /// Frees an allocation returned by [`Allocator::allocate`].
     pub fn free_allocation(&self, a: &Allocation) -> Result<(), AllocError> {
         match self.shards.slot(a.shard as usize) {
-            Some(sh) if sh.stream == a.stream => self.free_in(sh, a.ptr, Some(a.handle)),
+            Some(sh) if sh.stream == a.stream => {
+                if self.try_free_in(sh, a.ptr, Some(a.handle))? {
+                    Ok(())
+                } else {
+                    Err(self.not_live(a.ptr))
+                }
+            }
             _ => Err(AllocError::UnknownPointer { ptr: a.ptr }),
         }
     }
 
-    fn free_in(&self, shard: &Shard, ptr: DevPtr, handle: Option<u32>) -> Result<(), AllocError> {
+    /// Frees the block at `ptr` if it is a live block of `shard`; `Ok(false)`, with nothing
+    /// changed, if it is not.
+    fn try_free_in(
+        &self,
+        shard: &Shard,
+        ptr: DevPtr,
+        handle: Option<u32>,
+    ) -> Result<bool, AllocError> {
         let mut st = shard.state.lock();
         let uses = if st.uses.is_empty() {
             None
@@ -387,22 +409,18 @@ impl Allocator {
             Some(_) => st.policy.free_requested(ptr).is_some(),
         };
         if !known {
-            drop(st);
-            return Err(self.not_live(ptr));
+            return Ok(false);
         }
-        match uses {
-            None => {}
-            Some(streams) => {
-                let mut events = Vec::with_capacity(streams.len());
-                let mut d = self.device.lock();
-                for s in streams {
-                    events.push(d.event_record(s)?);
-                }
-                drop(d);
-                st.pending.push(Pending { addr: ptr, events });
+        if let Some(streams) = uses {
+            let mut events = Vec::with_capacity(streams.len());
+            let mut d = self.device.lock();
+            for s in streams {
+                events.push(d.event_record(s)?);
             }
+            drop(d);
+            st.pending.push(Pending { addr: ptr, events });
         }
-        Ok(())
+        Ok(true)
     }
 
     /// The error for `ptr`, which is no live block: a double free if it starts a cached block
