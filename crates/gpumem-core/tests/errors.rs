@@ -185,3 +185,33 @@ fn foreign_files_are_named() {
         matches!(e, TraceError::Io { .. }) && e.to_string().contains("/no/such/trace.pickle.gz")
     );
 }
+
+/// Frees by pointer with the stream PyTorch passes: the block's own stream, another stream
+/// (found by the fallback search), a second free of the same pointer (a double free) and a
+/// pointer nobody handed out. Nothing is lost on the errors.
+#[test]
+fn free_on_a_stream_finds_the_block_or_says_why_not() {
+    for p in PolicyKind::ALL {
+        let a = allocator(p);
+        let (s1, s2) = (0x100, 0x200);
+        let x = a.allocate(3 << 20, s1).unwrap();
+        let y = a.allocate(5000, s2).unwrap();
+        let z = a.allocate(1 << 20, s1).unwrap();
+        a.free_on(x.ptr, s1).unwrap();
+        // Allocated on s2, freed naming s1 (and a stream never seen): found anyway.
+        a.free_on(y.ptr, s1).unwrap();
+        match a.free_on(x.ptr, s1) {
+            Err(AllocError::DoubleFree { ptr }) => assert_eq!(ptr, x.ptr, "{p:?}"),
+            other => panic!("{p:?}: second free gave {other:?}"),
+        }
+        assert!(matches!(
+            a.free_on(0xdead_beef, 0x300),
+            Err(AllocError::UnknownPointer { ptr: 0xdead_beef })
+        ));
+        // z is still live and accounted; freeing it by pointer on its stream works.
+        let st = a.memory_stats();
+        assert_eq!(st.allocated_bytes.all.current as u64, z.size, "{p:?}");
+        a.free_on(z.ptr, s1).unwrap();
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, 0, "{p:?}");
+    }
+}
