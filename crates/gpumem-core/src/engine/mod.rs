@@ -164,17 +164,30 @@ impl Allocator {
             return Err(self.invalid_size(size, stream));
         }
         let (idx, shard) = self.shard(stream)?;
-        let first = {
-            let mut st = shard.state.lock();
-            if !st.pending.is_empty() {
-                self.poll_events(&mut st, stream, false)?;
-            }
-            st.policy.allocate(size, &self.device)
-        };
-        match first {
+        match self.place(shard, size, false)? {
             Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
             Err(e) => self.allocate_again(size, stream, idx, shard, e),
         }
+    }
+
+    /// One placement attempt on `shard` (a `retry` is counted), after releasing the freed
+    /// blocks whose events have completed.
+    #[inline]
+    fn place(
+        &self,
+        shard: &Shard,
+        size: u64,
+        retry: bool,
+    ) -> Result<Result<Placement, BackendError>, AllocError> {
+        let mut st = shard.state.lock();
+        if !st.pending.is_empty() {
+            self.poll_events(&mut st, shard.stream, false)?;
+        }
+        let r = st.policy.allocate(size, &self.device);
+        if retry {
+            st.retries += 1;
+        }
+        Ok(r)
     }
 
     /// The allocation for placement `p`, tracked.
@@ -232,16 +245,7 @@ impl Allocator {
             return Err(first.into());
         }
         self.release_all_cached()?;
-        let again = {
-            let mut st = shard.state.lock();
-            if !st.pending.is_empty() {
-                self.poll_events(&mut st, stream, false)?;
-            }
-            let r = st.policy.allocate(size, &self.device);
-            st.retries += 1;
-            r
-        };
-        match again {
+        match self.place(shard, size, true)? {
             Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
             Err(e) if e.out_of_memory => {
                 let report = self.oom_report(size, stream, 1);
@@ -327,20 +331,13 @@ impl Allocator {
         Ok(())
     }
 
-    fn find_owner(&self, ptr: DevPtr, hint: Option<Stream>) -> Result<(u32, &Shard), AllocError> {
-        if let Some(s) = hint {
-            if let Some((i, sh)) = self.shards.get(s) {
-                if sh.state.lock().policy.is_allocated(ptr) {
-                    return Ok((i as u32, sh));
-                }
-            }
-        }
-        for (i, sh) in self.shards.iter() {
-            if sh.state.lock().policy.is_allocated(ptr) {
-                return Ok((i as u32, sh));
-            }
-        }
-        Err(self.not_live(ptr))
+    /// The shard whose live block starts at `ptr`.
+    fn find_owner(&self, ptr: DevPtr) -> Result<&Shard, AllocError> {
+        self.shards
+            .iter()
+            .map(|(_, sh)| sh)
+            .find(|sh| sh.state.lock().policy.is_allocated(ptr))
+            .ok_or_else(|| self.not_live(ptr))
     }
 
     /// Frees the block at `ptr` (searching every stream's pool for it).
@@ -440,7 +437,7 @@ impl Allocator {
     /// Marks the block at `ptr` as used on `stream` too: when freed, it is reused only after
     /// the work queued on `stream` by then has completed.
     pub fn record_stream(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
-        let (_, shard) = self.find_owner(ptr, None)?;
+        let shard = self.find_owner(ptr)?;
         if shard.stream == stream {
             return Ok(());
         }
