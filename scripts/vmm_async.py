@@ -18,50 +18,11 @@ Run on the GPU machine: python3 scripts/vmm_async.py (PyTorch with CUDA, libcuda
 import ctypes
 import threading
 import time
-from ctypes import (POINTER, Structure, byref, c_int, c_size_t, c_ubyte, c_uint, c_ulonglong,
-                    c_ushort, c_void_p)
+from ctypes import byref, c_uint, c_ulonglong, c_void_p
 
 import torch
 
-MIB = 1 << 20
-PAGE = 2 * MIB
-cu = ctypes.CDLL("libcuda.so.1")
-
-
-def ck(r, what):
-    if r != 0:
-        raise RuntimeError(f"{what}: CUresult {r}")
-
-
-class Loc(Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class Flags(Structure):
-    _fields_ = [("compressionType", c_ubyte), ("gpuDirectRDMACapable", c_ubyte),
-                ("usage", c_ushort), ("reserved", c_ubyte * 4)]
-
-
-class Prop(Structure):
-    _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", Loc),
-                ("win32HandleMetaData", c_void_p), ("allocFlags", Flags)]
-
-
-class Access(Structure):
-    _fields_ = [("location", Loc), ("flags", c_int)]
-
-
-cu.cuMemAddressReserve.argtypes = [POINTER(c_ulonglong), c_size_t, c_size_t, c_ulonglong, c_ulonglong]
-cu.cuMemCreate.argtypes = [POINTER(c_ulonglong), c_size_t, POINTER(Prop), c_ulonglong]
-cu.cuMemMap.argtypes = [c_ulonglong, c_size_t, c_size_t, c_ulonglong, c_ulonglong]
-cu.cuMemSetAccess.argtypes = [c_ulonglong, c_size_t, POINTER(Access), c_size_t]
-cu.cuMemUnmap.argtypes = [c_ulonglong, c_size_t]
-cu.cuMemRelease.argtypes = [c_ulonglong]
-cu.cuMemHostAlloc.argtypes = [POINTER(c_void_p), c_size_t, c_uint]
-cu.cuMemHostGetDevicePointer_v2.argtypes = [POINTER(c_ulonglong), c_void_p, c_uint]
-cu.cuStreamWaitValue32_v2.argtypes = [c_void_p, c_ulonglong, c_uint, c_uint]
-cu.cuMemsetD32Async.argtypes = [c_ulonglong, c_uint, c_size_t, c_void_p]
-cu.cuMemcpyHtoDAsync_v2.argtypes = [c_ulonglong, c_void_p, c_size_t, c_void_p]
+from cuda_vmm import PAGE, ck, cu, pinned_on
 
 
 class View:
@@ -75,10 +36,7 @@ class View:
 def main():
     torch.zeros(1, device="cuda")
     dev = torch.cuda.current_device()
-    prop = Prop()
-    prop.type, prop.location.type, prop.location.id = 1, 1, dev
-    acc = Access()
-    acc.location.type, acc.location.id, acc.flags = 1, dev, 3
+    prop, acc = pinned_on(dev)
     pages = 16
     va = c_ulonglong()
     ck(cu.cuMemAddressReserve(byref(va), pages * PAGE, 0, 0, 0), "reserve")

@@ -2,32 +2,16 @@
 """Cost of the CUDA virtual-memory calls by physical chunk size: 1 GiB mapped as N chunks.
 Run on a machine with an NVIDIA driver: python3 scripts/vmm_cost.py (no other dependency).
 Is cuMemSetAccess (and map/unmap) paid per chunk (handle) or per byte?"""
-import ctypes
 import time
-from ctypes import c_int, c_uint, c_ubyte, c_ushort, c_void_p, c_size_t, c_ulonglong, byref, Structure
+from ctypes import byref, c_int, c_ulonglong, c_void_p
 
-cu = ctypes.CDLL("libcuda.so.1")
-def ck(r, what):
-    if r != 0:
-        raise RuntimeError(f"{what}: CUresult {r}")
-class Loc(Structure): _fields_ = [("type", c_int), ("id", c_int)]
-class Flags(Structure): _fields_ = [("compressionType", c_ubyte), ("gpuDirectRDMACapable", c_ubyte), ("usage", c_ushort), ("reserved", c_ubyte * 4)]
-class Prop(Structure): _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", Loc), ("win32HandleMetaData", c_void_p), ("allocFlags", Flags)]
-class Access(Structure): _fields_ = [("location", Loc), ("flags", c_int)]
+from cuda_vmm import MIB, ck, cu, pinned_on
+
 ck(cu.cuInit(0), "cuInit")
 dev = c_int(); ck(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
 ctx = c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(byref(ctx), dev), "retain"); ck(cu.cuCtxSetCurrent(ctx), "setcurrent")
-prop = Prop(); prop.type = 1; prop.location.type = 1; prop.location.id = 0
-acc = Access(); acc.location.type = 1; acc.location.id = 0; acc.flags = 3
-cu.cuMemAddressReserve.argtypes = [ctypes.POINTER(c_ulonglong), c_size_t, c_size_t, c_ulonglong, c_ulonglong]
-cu.cuMemCreate.argtypes = [ctypes.POINTER(c_ulonglong), c_size_t, ctypes.POINTER(Prop), c_ulonglong]
-cu.cuMemMap.argtypes = [c_ulonglong, c_size_t, c_size_t, c_ulonglong, c_ulonglong]
-cu.cuMemSetAccess.argtypes = [c_ulonglong, c_size_t, ctypes.POINTER(Access), c_size_t]
-cu.cuMemUnmap.argtypes = [c_ulonglong, c_size_t]
-cu.cuMemRelease.argtypes = [c_ulonglong]
-cu.cuMemAddressFree.argtypes = [c_ulonglong, c_size_t]
+prop, acc = pinned_on(0)
 TOTAL = 1 << 30
-MIB = 1 << 20
 def run(chunk, access_each, pages=False):
     """1 GiB as `chunk`-byte handles: created, mapped, access set (once for the whole range, or
     once per mapping with `access_each`), unmapped, released; ms for each step. With `pages`,

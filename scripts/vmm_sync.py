@@ -8,53 +8,14 @@ the device as a side effect, and every such call in an allocator drains the GPU'
 Run on the GPU machine: python3 scripts/vmm_sync.py [--out FILE.json]
 Needs PyTorch with CUDA (for the spin kernel: torch.cuda._sleep) and the driver's libcuda.so.1."""
 import argparse
-import ctypes
 import json
 import statistics
 import time
-from ctypes import (POINTER, Structure, byref, c_int, c_size_t, c_ubyte, c_ulonglong,
-                    c_ushort, c_void_p)
+from ctypes import byref, c_ulonglong
 
 import torch
 
-MIB = 1 << 20
-PAGE = 2 * MIB
-
-cu = ctypes.CDLL("libcuda.so.1")
-
-
-def ck(r, what):
-    if r != 0:
-        raise RuntimeError(f"{what}: CUresult {r}")
-
-
-class Loc(Structure):
-    _fields_ = [("type", c_int), ("id", c_int)]
-
-
-class Flags(Structure):
-    _fields_ = [("compressionType", c_ubyte), ("gpuDirectRDMACapable", c_ubyte),
-                ("usage", c_ushort), ("reserved", c_ubyte * 4)]
-
-
-class Prop(Structure):
-    _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", Loc),
-                ("win32HandleMetaData", c_void_p), ("allocFlags", Flags)]
-
-
-class Access(Structure):
-    _fields_ = [("location", Loc), ("flags", c_int)]
-
-
-cu.cuMemAddressReserve.argtypes = [POINTER(c_ulonglong), c_size_t, c_size_t, c_ulonglong, c_ulonglong]
-cu.cuMemCreate.argtypes = [POINTER(c_ulonglong), c_size_t, POINTER(Prop), c_ulonglong]
-cu.cuMemMap.argtypes = [c_ulonglong, c_size_t, c_size_t, c_ulonglong, c_ulonglong]
-cu.cuMemSetAccess.argtypes = [c_ulonglong, c_size_t, POINTER(Access), c_size_t]
-cu.cuMemUnmap.argtypes = [c_ulonglong, c_size_t]
-cu.cuMemRelease.argtypes = [c_ulonglong]
-cu.cuMemAddressFree.argtypes = [c_ulonglong, c_size_t]
-cu.cuMemAlloc_v2.argtypes = [POINTER(c_ulonglong), c_size_t]
-cu.cuMemFree_v2.argtypes = [c_ulonglong]
+from cuda_vmm import PAGE, ck, cu, pinned_on
 
 
 def main():
@@ -65,14 +26,7 @@ def main():
 
     torch.zeros(1, device="cuda")  # PyTorch makes the primary context current on this thread
     ck(cu.cuInit(0), "cuInit")
-    prop = Prop()
-    prop.type = 1  # pinned
-    prop.location.type = 1  # device
-    prop.location.id = torch.cuda.current_device()
-    acc = Access()
-    acc.location.type = 1
-    acc.location.id = prop.location.id
-    acc.flags = 3  # read-write
+    prop, acc = pinned_on(torch.cuda.current_device())
 
     va = c_ulonglong()
     span = 64 * PAGE
