@@ -143,7 +143,123 @@ def checkpointed(steps: int, dev: torch.device):
         yield
 
 
-WORKLOADS = {"gpt_varlen": gpt_varlen, "mlp": mlp, "encdec": encdec, "checkpointed": checkpointed}
+def vit_accum(steps: int, dev: torch.device):
+    """A vision transformer trained with gradient accumulation over four micro-batches, mixed
+    precision and gradient clipping (fixed shapes; the accumulated gradients live across
+    micro-batches)."""
+    d, patches, layers = 384, 196, 8
+    enc = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(d, 6, 4 * d, batch_first=True, norm_first=True), layers)
+    embed = torch.nn.Conv2d(3, d, 16, 16)
+    head = torch.nn.Linear(d, 1000)
+    model = torch.nn.ModuleList([embed, enc, head]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        for _ in range(4):
+            img = torch.randn(32, 3, 224, 224, device=dev)
+            label = torch.randint(0, 1000, (32,), device=dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                x = embed(img).flatten(2).transpose(1, 2)
+                assert x.shape[1] == patches
+                loss = torch.nn.functional.cross_entropy(head(enc(x).mean(1)).float(), label) / 4
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+def unet_res(steps: int, dev: torch.device):
+    """A small convolutional U-Net trained on images of a random resolution each step (as in
+    multi-resolution diffusion training): every activation changes size with the resolution."""
+    def block(i, o):
+        return torch.nn.Sequential(torch.nn.Conv2d(i, o, 3, padding=1), torch.nn.GroupNorm(8, o), torch.nn.SiLU(),
+                                   torch.nn.Conv2d(o, o, 3, padding=1), torch.nn.GroupNorm(8, o), torch.nn.SiLU())
+
+    class UNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d1, self.d2, self.d3 = block(3, 64), block(64, 128), block(128, 256)
+            self.u2, self.u1 = block(256 + 128, 128), block(128 + 64, 64)
+            self.out = torch.nn.Conv2d(64, 3, 1)
+
+        def forward(self, x):
+            a = self.d1(x)
+            b = self.d2(torch.nn.functional.avg_pool2d(a, 2))
+            c = self.d3(torch.nn.functional.avg_pool2d(b, 2))
+            u = torch.nn.functional.interpolate(c, scale_factor=2.0)
+            u = self.u2(torch.cat([u, b], 1))
+            u = torch.nn.functional.interpolate(u, scale_factor=2.0)
+            return self.out(self.u1(torch.cat([u, a], 1)))
+
+    model = UNet().to(dev).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        r = random.choice([128, 192, 256, 320])
+        x = torch.randn(16, 3, r, r, device=dev).to(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = (model(x).float() - x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield
+
+
+def serve_threads(steps: int, dev: torch.device):
+    """An inference server: four threads, each with its own CUDA stream, run a transformer
+    encoder's forward pass on requests of random batch size and length (no gradients). Each
+    yielded step is one round in which every thread serves two requests."""
+    import threading
+    d = 768
+    model = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(d, 12, 4 * d, batch_first=True), 6).to(dev).eval().half()
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    rngs = [random.Random(i) for i in range(4)]
+
+    def serve(i):
+        with torch.no_grad(), torch.cuda.stream(streams[i]):
+            for _ in range(2):
+                x = torch.randn(rngs[i].choice([1, 4, 8, 16]), rngs[i].randint(32, 512), d, device=dev, dtype=torch.half)
+                y = model(x)
+                y.sum().item()
+
+    for _ in range(steps):
+        ts = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        yield
+
+
+def kv_decode(steps: int, dev: torch.device):
+    """Batched greedy decoding with a key/value cache grown by concatenation each token (as
+    simple generation loops do), prompts of random length, a new batch every step."""
+    d, layers, vocab = 1024, 8, 16000
+    emb = torch.nn.Embedding(vocab, d).to(dev).half()
+    attn = torch.nn.ModuleList(torch.nn.MultiheadAttention(d, 16, batch_first=True) for _ in range(layers)).to(dev).half()
+    mlp = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+                              for _ in range(layers)).to(dev).half()
+    head = torch.nn.Linear(d, vocab).to(dev).half()
+    with torch.no_grad():
+        for _ in range(steps):
+            b, p = random.choice([4, 8, 16]), random.randint(16, 256)
+            tok = torch.randint(0, vocab, (b, p), device=dev)
+            cache = [None] * layers
+            x = emb(tok)
+            for _ in range(48):
+                for i in range(layers):
+                    cache[i] = x if cache[i] is None else torch.cat([cache[i], x], 1)
+                    x = x + attn[i](x, cache[i], cache[i], need_weights=False)[0]
+                    x = x + mlp[i](x)
+                tok = head(x[:, -1:]).argmax(-1)
+                x = emb(tok)
+            del cache, x, tok
+            yield
+
+
+WORKLOADS = {"gpt_varlen": gpt_varlen, "mlp": mlp, "encdec": encdec, "checkpointed": checkpointed,
+             "vit_accum": vit_accum, "unet_res": unet_res, "serve_threads": serve_threads, "kv_decode": kv_decode}
 
 
 def main() -> int:

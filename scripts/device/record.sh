@@ -11,7 +11,9 @@ mkdir -p "$OUT"
   python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.version.cuda)"
   for t in compute-sanitizer ncu nvcc; do printf '%s: ' "$t"; command -v "$t" || echo missing; done
 } > "$OUT/env.txt" 2>&1
-for w in gpt_varlen:12 encdec:10 checkpointed:8 mlp:8; do
+# WORKLOADS (name:steps, space-separated) picks what to record; the default is the bundled
+# trace and the first validation set.
+for w in ${WORKLOADS:-gpt_varlen:12 encdec:10 checkpointed:8 mlp:8}; do
   name=${w%%:*}; steps=${w##*:}
   python3 scripts/record_trace.py --workload "$name" --steps "$steps" --out "$OUT/$name.pickle.gz" 2>> "$OUT/record.log" \
     || echo "FAILED: $name" | tee -a "$OUT/record.log"

@@ -131,6 +131,66 @@ fn other_kinds_of_workload() {
     }
 }
 
+/// A second set of unseen workloads, recorded on an H200 on 2026-12-01 with
+/// `scripts/device/record.sh` (WORKLOADS="vit_accum:6 unet_res:12 serve_threads:12
+/// kv_decode:8"), after the stitched policy's settings were fixed: a vision transformer with
+/// gradient accumulation, a U-Net trained at a random resolution each step, and greedy decoding
+/// with a key/value cache grown by concatenation. The bound holds on all three.
+#[test]
+fn unseen_training_and_decoding_workloads() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/validation");
+    for file in [
+        "vit_accum.pickle.gz",
+        "unet_res.pickle.gz",
+        "kv_decode.pickle.gz",
+    ] {
+        let t = trace::load(&root.join(file), 0, None).unwrap();
+        let opts = ReplayOptions::default();
+        let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+        assert!(
+            s.ratio <= 1.02,
+            "{file}: stitched ratio {:.4} > 1.02",
+            s.ratio
+        );
+        let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
+        let f = n.fidelity.expect("recorded under the native allocator");
+        assert!(
+            f.segments_match && f.peak_held_error == 0.0,
+            "{file}: {f:?}"
+        );
+        let e = replay(&t, PolicyKind::Expandable, &opts, None).unwrap();
+        assert!(
+            s.ratio < n.ratio && s.ratio < e.ratio,
+            "{file}: stitched does not win"
+        );
+    }
+}
+
+/// An inference server: four threads, each on its own stream, serving requests of random size
+/// (recorded with the set above). The one recorded workload where stitched misses the 1.02
+/// bound: each stream places its blocks in its own virtual range, so small blocks of different
+/// streams cannot share a page, and at the peak the pages touched are 1.05 of the live bytes.
+/// Its overhead is still under a tenth of PyTorch's (native 1.80, expandable 1.66). This guards the
+/// figure against regressions; it is not the target.
+#[test]
+fn multi_stream_server_known_miss() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/validation");
+    let t = trace::load(&root.join("serve_threads.pickle.gz"), 0, None).unwrap();
+    let opts = ReplayOptions::default();
+    let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+    let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
+    let e = replay(&t, PolicyKind::Expandable, &opts, None).unwrap();
+    assert!(s.ratio <= 1.06, "stitched ratio {:.4} > 1.06", s.ratio);
+    assert!(
+        s.ratio - 1.0 < 0.1 * (e.ratio.min(n.ratio) - 1.0),
+        "stitched {:.4} against native {:.4} and expandable {:.4}",
+        s.ratio,
+        n.ratio,
+        e.ratio
+    );
+    assert_eq!(s.ooms, 0);
+}
+
 /// The replay's GPU-lag model: events the policy records complete that long after, so host
 /// waits are counted only where the GPU would still be behind. The lag changes how often the
 /// host waits, never where memory goes.
