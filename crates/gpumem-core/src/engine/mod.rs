@@ -363,6 +363,7 @@ impl Allocator {
     }
 
     /// Frees an allocation returned by [`Allocator::allocate`].
+    #[inline]
     pub fn free_allocation(&self, a: &Allocation) -> Result<(), AllocError> {
         match self.shards.slot(a.shard as usize) {
             Some(sh) if sh.stream == a.stream => {
@@ -378,6 +379,7 @@ impl Allocator {
 
     /// Frees the block at `ptr` if it is a live block of `shard`; `Ok(false)`, with nothing
     /// changed, if it is not.
+    #[inline]
     fn try_free_in(
         &self,
         shard: &Shard,

@@ -434,6 +434,7 @@ impl BlockSet {
 
     /// The user freed block `id`: it stops counting as allocated but stays active until
     /// [`BlockSet::release`].
+    #[inline]
     pub fn free_requested(&mut self, id: u32) {
         let b = self.b(id);
         debug_assert_eq!(b.state, State::Allocated);
@@ -451,6 +452,7 @@ impl BlockSet {
     }
 
     /// Active statistics of a block that is no longer in use.
+    #[inline]
     fn stop_being_active(&mut self, id: u32) {
         let b = self.block(id);
         let (pool, size, requested) = (b.pool, b.size, b.requested);
@@ -500,6 +502,7 @@ impl BlockSet {
     /// cache is full), or, without the quick cache, is released at once.
     ///
     /// Returns the range (address, size) of a cached block merged back to make room, if any.
+    #[inline]
     pub fn free_now(&mut self, id: u32) -> Option<(u64, u64)> {
         self.free_requested(id);
         if self.block(id).size > self.quick.max {
@@ -540,6 +543,7 @@ impl BlockSet {
     }
 
     /// Takes a block out of the quick cache's class list (not out of `order`).
+    #[inline]
     fn uncache(&mut self, id: u32) {
         let (prev, next, size) = {
             let b = self.block(id);
@@ -577,6 +581,7 @@ impl BlockSet {
 
     /// Hands out cached block `id` (from [`BlockSet::find_cached`]) for `requested` bytes of
     /// `pool`.
+    #[inline]
     pub fn take_cached(&mut self, id: u32, requested: u64, pool: Pool) -> u32 {
         debug_assert_eq!(self.block(id).state, State::Cached);
         let size = self.block(id).size;
