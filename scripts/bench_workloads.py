@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Real PyTorch workloads under four allocators, side by side, in one run.
 
-    python3 scripts/bench_workloads.py                 # everything (about 6 minutes on an H200)
+    python3 scripts/bench_workloads.py                 # everything (12-13 minutes on an H200)
     python3 scripts/bench_workloads.py --workloads gpt2_train,prefetch_mlp --no-maxbatch
 
 Each workload runs in a fresh process per allocator:
