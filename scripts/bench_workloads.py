@@ -205,38 +205,11 @@ def prefetch_steps(torch, dev, steps, rng):
 
 
 def serve_steps(torch, dev, steps, rng):
-    """An inference server: four threads, each on its own CUDA stream, run a transformer
-    encoder's forward pass (fp16, no gradients) on requests of random batch size and length.
-    One step is one round in which every thread serves two requests; a request ends when its
-    result reaches the host."""
-    import threading
+    """The inference server of scripts/record_trace.py (serve_threads): four threads, each on
+    its own CUDA stream, serving two requests of random size per step, drawn from `rng`."""
+    from record_trace import serve_threads  # same folder; imports torch, as this process has
 
-    d = 768
-    model = torch.nn.TransformerEncoder(
-        torch.nn.TransformerEncoderLayer(d, 12, 4 * d, batch_first=True), 6).to(dev).eval().half()
-    streams = [torch.cuda.Stream() for _ in range(4)]
-    rngs = [random.Random(rng.random()) for _ in range(4)]
-    errors = []
-
-    def serve(i):
-        try:
-            with torch.no_grad(), torch.cuda.stream(streams[i]):
-                for _ in range(2):
-                    b, t = rngs[i].choice([1, 4, 8, 16]), rngs[i].randint(32, 512)
-                    x = torch.randn(b, t, d, device=dev, dtype=torch.half)
-                    model(x).float().sum().item()
-        except Exception as e:  # re-raised in the main thread
-            errors.append(e)
-
-    for _ in range(steps):
-        threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        yield
+    return serve_threads(steps, dev, [random.Random(rng.random()) for _ in range(4)])
 
 
 def varlen_lengths(steps, rng):

@@ -205,23 +205,28 @@ def unet_res(steps: int, dev: torch.device):
         yield
 
 
-def serve_threads(steps: int, dev: torch.device):
+def serve_threads(steps: int, dev: torch.device, rngs=None):
     """An inference server: four threads, each with its own CUDA stream, run a transformer
-    encoder's forward pass on requests of random batch size and length (no gradients). Each
-    yielded step is one round in which every thread serves two requests."""
+    encoder's forward pass (fp16, no gradients) on requests of random batch size and length.
+    Each yielded step is one round in which every thread serves two requests; a request ends
+    when its result reaches the host. `rngs`: one random.Random per thread (default: seeded 0-3).
+    scripts/bench_workloads.py runs the same workload."""
     import threading
     d = 768
     model = torch.nn.TransformerEncoder(
         torch.nn.TransformerEncoderLayer(d, 12, 4 * d, batch_first=True), 6).to(dev).eval().half()
     streams = [torch.cuda.Stream() for _ in range(4)]
-    rngs = [random.Random(i) for i in range(4)]
+    rngs = rngs or [random.Random(i) for i in range(4)]
+    errors = []
 
     def serve(i):
-        with torch.no_grad(), torch.cuda.stream(streams[i]):
-            for _ in range(2):
-                x = torch.randn(rngs[i].choice([1, 4, 8, 16]), rngs[i].randint(32, 512), d, device=dev, dtype=torch.half)
-                y = model(x)
-                y.sum().item()
+        try:
+            with torch.no_grad(), torch.cuda.stream(streams[i]):
+                for _ in range(2):
+                    x = torch.randn(rngs[i].choice([1, 4, 8, 16]), rngs[i].randint(32, 512), d, device=dev, dtype=torch.half)
+                    model(x).sum().item()
+        except Exception as e:  # a thread's exception is re-raised in the caller's thread
+            errors.append(e)
 
     for _ in range(steps):
         ts = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
@@ -229,6 +234,8 @@ def serve_threads(steps: int, dev: torch.device):
             t.start()
         for t in ts:
             t.join()
+        if errors:
+            raise errors[0]
         yield
 
 
