@@ -586,7 +586,10 @@ impl BlockSet {
         debug_assert_eq!(self.block(id).state, State::Cached);
         let size = self.block(id).size;
         self.uncache(id);
-        if let Some(i) = self.quick.order.iter().rposition(|&x| x == id) {
+        // Most often the block freed last (an allocation of the size just freed).
+        if self.quick.order.back() == Some(&id) {
+            self.quick.order.pop_back();
+        } else if let Some(i) = self.quick.order.iter().rposition(|&x| x == id) {
             self.quick.order.remove(i);
         }
         let (split, seg_pool) = {
