@@ -6,6 +6,12 @@ cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+# Tests that need a tool the Rust build does not (ignored above, with the reason).
+if command -v g++ >/dev/null; then
+    cargo test -p gpumem-core --lib -- --ignored bench_ops::tests::sequences_match_the_cpp_generator_op_by_op
+else
+    echo "SKIPPED: bench_ops::tests::sequences_match_the_cpp_generator_op_by_op (no g++)"
+fi
 # The Python module's Rust code (feature `python`, left out of the workspace build so that
 # `cargo test` need not link libpython).
 cargo clippy -p gpumem-py --features python --all-targets -- -D warnings

@@ -234,8 +234,8 @@ def _device_index(device: DeviceLike) -> int:
         return device
     if isinstance(device, str):
         kind, _, index = device.partition(":")
-        if kind != "cuda":
-            raise ValueError(f"expected a CUDA device, got {device!r}")
+        if kind != "cuda" or (index and not index.isdigit()):
+            raise ValueError(f"expected a CUDA device such as 'cuda' or 'cuda:1', got {device!r}")
         return int(index) if index else _device_index(None)
     kind = getattr(device, "type", None)
     if kind is not None:

@@ -104,6 +104,12 @@ def test_double_free_and_foreign_pointers_raise_clear_errors():
         a.free(0xDEAD_BEEF_0000)
     with pytest.raises(gpumem.InvalidPointerError):
         a.record_stream(0xDEAD_BEEF_0000, 5)
+    # Ints that cannot be device addresses are refused the same way, not with OverflowError.
+    for bad in (-1, -p, 2**64 + p):
+        with pytest.raises(gpumem.InvalidPointerError, match="not a device pointer"):
+            a.free(bad)
+        with pytest.raises(gpumem.InvalidPointerError, match="not a device pointer"):
+            a.record_stream(bad, 5)
     # Nothing was lost: the allocator still works and its invariants hold.
     q = a.allocate(4096)
     a.free(q)

@@ -15,6 +15,34 @@ pub fn assert_no_leaks(alloc: &Allocator) {
     }
 }
 
+/// The path of a trace bundled in the repository's `traces/` folder (`rel` is relative to it,
+/// e.g. `validation/mlp.pickle.gz`). Panics if it is missing: the repository always has it.
+#[track_caller]
+pub fn bundled_trace(rel: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../traces")
+        .join(rel);
+    assert!(p.is_file(), "bundled trace {} is missing", p.display());
+    p
+}
+
+/// The PyTorch snapshots bundled in `traces/` (recorded by `scripts/record_trace.py` under
+/// PyTorch's native allocator, histories complete), smallest first.
+pub fn bundled_snapshots() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = ["gpt_varlen.pickle.gz"]
+        .iter()
+        .map(|r| bundled_trace(r))
+        .chain(
+            std::fs::read_dir(bundled_trace("validation/mlp.pickle.gz").parent().unwrap())
+                .expect("traces/validation")
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_string_lossy().ends_with(".pickle.gz")),
+        )
+        .collect();
+    v.sort_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0));
+    v
+}
+
 /// The path of one of the recorded traces in the project's shared folder
 /// (`$GPUMEM_TRACES`, else `shared/traces` beside or above the repository), if present.
 pub fn shared_trace(file: &str) -> Option<PathBuf> {

@@ -346,11 +346,14 @@ fn four_streams_churning(conf: &str) -> u64 {
 fn streams_keep_pages_up_to_their_own_peak_when_asked() {
     let own = four_streams_churning("policy:stitched,stream_pages:own");
     let shared = four_streams_churning("policy:stitched");
+    // 20,000 rounds of four streams: 80,000 operations in the steady state. "Next to no
+    // calls" is at most one per 1,000 operations (36 when this was written: a stream's own
+    // peak still rises now and then); trading pages costs ten times as many (367).
     assert!(
-        own <= 40,
-        "stream_pages:own: {own} calls in the steady state"
+        own <= 80,
+        "stream_pages:own: {own} calls in 80,000 steady-state operations"
     );
-    assert!(shared > 5 * own, "shared {shared} vs own {own}");
+    assert!(shared > 5 * own.max(1), "shared {shared} vs own {own}");
 }
 
 /// The price of `stream_pages:own`: two streams that take turns each keep their own peak.

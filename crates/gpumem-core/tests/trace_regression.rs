@@ -162,7 +162,8 @@ fn unseen_training_and_decoding_workloads() {
 /// bound: each stream places its blocks in its own virtual range, so small blocks of different
 /// streams cannot share a page, and at the peak the pages touched are 1.05 of the live bytes.
 /// Its overhead is still under a tenth of PyTorch's (native 1.80, expandable 1.66). This guards the
-/// figure against regressions; it is not the target.
+/// figure against regressions (the replay is deterministic: 1.0512 when the trace was added,
+/// bounded here at 1.056); it is not the target.
 #[test]
 fn multi_stream_server_known_miss() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/validation");
@@ -171,7 +172,7 @@ fn multi_stream_server_known_miss() {
     let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
     let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
     let e = replay(&t, PolicyKind::Expandable, &opts, None).unwrap();
-    assert!(s.ratio <= 1.06, "stitched ratio {:.4} > 1.06", s.ratio);
+    assert!(s.ratio <= 1.056, "stitched ratio {:.4} > 1.056", s.ratio);
     assert!(
         s.ratio - 1.0 < 0.1 * (e.ratio.min(n.ratio) - 1.0),
         "stitched {:.4} against native {:.4} and expandable {:.4}",

@@ -497,11 +497,13 @@ mod tests {
         assert!(o.validate().is_err());
     }
 
-    /// Without a driver (CI), `run` must fail with NoDriver, not panic.
+    /// Without a driver (CI), `run` must fail with NoDriver, not panic. With one, the whole
+    /// probe runs in the GPU test `probe_on_the_gpu` instead.
     #[test]
     fn no_driver_is_a_clear_error() {
         if driver_present() {
-            return; // a machine with a driver: covered by the GPU tests instead
+            eprintln!("not run: a CUDA driver is present (probe_on_the_gpu covers this machine)");
+            return;
         }
         let err = run(&ProbeOptions::quick(), &mut |_| {}).unwrap_err();
         assert!(matches!(err, ProbeError::NoDriver), "{err}");

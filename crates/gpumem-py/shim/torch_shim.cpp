@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -96,12 +97,23 @@ struct C10Binding {
 C10Binding g_binding;
 std::atomic<bool> g_bound{false};
 
-void copy_out(const std::string& s, char* buf, size_t len) {
+void copy_out(const char* s, size_t size, char* buf, size_t len) noexcept {
   if (buf == nullptr || len == 0) return;
-  size_t n = s.size() < len - 1 ? s.size() : len - 1;
-  std::memcpy(buf, s.data(), n);
+  size_t n = size < len - 1 ? size : len - 1;
+  std::memcpy(buf, s, n);
   buf[n] = '\0';
 }
+
+void copy_out(const std::string& s, char* buf, size_t len) noexcept {
+  copy_out(s.data(), s.size(), buf, len);
+}
+
+void copy_out(const char* s, char* buf, size_t len) noexcept {
+  copy_out(s, std::strlen(s), buf, len);
+}
+
+// Serialises binding (install() may be retried from several threads).
+std::mutex g_bind_lock;
 
 // Destroys a thrown c10::OutOfMemoryError: a virtual destructor call through std::exception,
 // c10::Error's primary base, reaches the complete-object destructor in c10's vtable.
@@ -146,10 +158,17 @@ extern "C" {
   throw gpumem::Error(text);
 }
 
+}  // extern "C"
+
+namespace {
+
 // Binds c10::OutOfMemoryError from the already loaded libc10.so and libc10_cuda.so (paths or
 // sonames). Returns 0 on success, else 1 with the reason in `err`. Loads nothing new
 // (RTLD_NOLOAD): the libraries must be those of the torch imported in this process.
-int gpumem_shim_bind_c10(const char* libc10, const char* libc10_cuda, char* err, size_t err_len) {
+int bind_c10(const char* libc10, const char* libc10_cuda, char* err, size_t err_len) {
+  std::lock_guard<std::mutex> guard(g_bind_lock);
+  // Bound once for the process: throwing code may read the binding from now on.
+  if (g_bound.load(std::memory_order_acquire)) return 0;
   void* h_c10 = dlopen(libc10, RTLD_NOW | RTLD_NOLOAD);
   if (h_c10 == nullptr) {
     const char* e = dlerror();
@@ -200,27 +219,54 @@ int gpumem_shim_bind_c10(const char* libc10, const char* libc10_cuda, char* err,
   return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// bind_c10 for Rust: nothing may unwind out of a plain "C" import, so whatever the binding
+// throws (std::bad_alloc building a message, std::system_error from the lock) becomes an
+// error return.
+int gpumem_shim_bind_c10(const char* libc10, const char* libc10_cuda, char* err,
+                         size_t err_len) noexcept {
+  try {
+    return bind_c10(libc10, libc10_cuda, err, err_len);
+  } catch (const std::exception& e) {
+    copy_out(e.what(), err, err_len);
+  } catch (...) {
+    copy_out("an unknown C++ exception while binding c10", err, err_len);
+  }
+  return 1;
+}
+
 // 1 when out-of-memory failures are thrown as c10::OutOfMemoryError, 0 when as
 // gpumem::OutOfMemoryError (a std::runtime_error).
-int gpumem_shim_oom_is_c10(void) { return g_bound.load(std::memory_order_acquire) ? 1 : 0; }
+int gpumem_shim_oom_is_c10(void) noexcept { return g_bound.load(std::memory_order_acquire) ? 1 : 0; }
 
 // Calls gpumem_torch_alloc as PyTorch does and catches what it throws, for tests: returns 0
 // with *out set, or 1 (a std::exception: its demangled type and what() copied out), or 2
 // (anything else).
 int gpumem_shim_call_alloc(size_t size, int device, void* stream, void** out, char* type_buf,
-                           size_t type_len, char* msg_buf, size_t msg_len) {
+                           size_t type_len, char* msg_buf, size_t msg_len) noexcept {
+  // The outer handler catches what the inner ones may throw (demangling allocates), so that
+  // nothing unwinds into the Rust caller.
   try {
-    *out = gpumem_torch_alloc(size, device, stream);
-    return 0;
-  } catch (const std::exception& e) {
-    std::type_info* t = abi::__cxa_current_exception_type();
-    copy_out(t ? demangle(t->name()) : std::string("?"), type_buf, type_len);
-    copy_out(e.what(), msg_buf, msg_len);
-    return 1;
+    try {
+      *out = gpumem_torch_alloc(size, device, stream);
+      return 0;
+    } catch (const std::exception& e) {
+      std::type_info* t = abi::__cxa_current_exception_type();
+      copy_out(t ? demangle(t->name()) : std::string("?"), type_buf, type_len);
+      copy_out(e.what(), msg_buf, msg_len);
+      return 1;
+    } catch (...) {
+      std::type_info* t = abi::__cxa_current_exception_type();
+      copy_out(t ? demangle(t->name()) : std::string("?"), type_buf, type_len);
+      copy_out("", msg_buf, msg_len);
+      return 2;
+    }
   } catch (...) {
-    std::type_info* t = abi::__cxa_current_exception_type();
-    copy_out(t ? demangle(t->name()) : std::string("?"), type_buf, type_len);
-    copy_out("", msg_buf, msg_len);
+    copy_out("?", type_buf, type_len);
+    copy_out("(the exception could not be described)", msg_buf, msg_len);
     return 2;
   }
 }

@@ -83,6 +83,14 @@ pub struct Counters {
     warned: [AtomicBool; 4],
 }
 
+/// Writes a line to stderr, ignoring a failure to write (`eprintln!` panics when stderr is a
+/// closed pipe, and these lines are written from PyTorch's hooks, where a panic outside
+/// `catch_unwind` would abort the process).
+pub(crate) fn warn(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 const WARN_FOREIGN: usize = 0;
 const WARN_DOUBLE_FREE: usize = 1;
 const WARN_FREE_ERROR: usize = 2;
@@ -94,10 +102,10 @@ impl Counters {
         counter.fetch_add(1, Ordering::Relaxed);
         if !self.warned[kind].swap(true, Ordering::Relaxed) {
             // Once per kind: a program freeing foreign pointers in a loop must not flood stderr.
-            eprintln!(
+            warn(format_args!(
                 "gpumem: warning: {} (later occurrences are only counted: gpumem.torch.error_counts())",
                 message()
-            );
+            ));
         }
     }
 
@@ -134,6 +142,38 @@ struct Setup {
     history: Option<HistoryRequest>,
     /// Whether any allocator exists (configuration is frozen from then on).
     created: bool,
+    /// Memory fractions set for devices that have no allocator yet (applied when it is
+    /// created, so that setting one does not fix the configuration before `install()`).
+    fractions: Vec<(usize, f64)>,
+}
+
+/// Caps what `alloc` holds at `fraction` of its device (0 allows nothing).
+fn apply_fraction(alloc: &Allocator, fraction: f64) -> Result<(), TorchError> {
+    if fraction == 0.0 {
+        alloc.set_cap(Some(0));
+        Ok(())
+    } else {
+        alloc
+            .set_memory_fraction(fraction)
+            .map_err(|e| TorchError::Other(format!("gpumem: {e}")))
+    }
+}
+
+/// Why [`Registry::configure`] refused a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigureError {
+    /// Not a valid configuration (Python: `ValueError`).
+    Invalid(String),
+    /// Valid, but allocators already serve with another one (Python: `GpumemError`).
+    Conflict(String),
+}
+
+impl std::fmt::Display for ConfigureError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConfigureError::Invalid(m) | ConfigureError::Conflict(m) => f.write_str(m),
+        }
+    }
 }
 
 /// `config` with the history of `req`, if any, in place of its own.
@@ -209,6 +249,7 @@ impl Registry {
                 config: None,
                 source,
                 history: None,
+                fractions: Vec::new(),
                 created: false,
             }),
             counters: Counters::default(),
@@ -218,19 +259,20 @@ impl Registry {
     /// Fixes the configuration: `conf`, or `GPUMEM_CONF` when `None`, or the defaults
     /// (`GPUMEM_LEAK_CHECK=1` adds leak tracking with backtraces). Once an allocator exists
     /// only the same configuration is accepted.
-    pub fn configure(&self, conf: Option<&str>) -> Result<String, String> {
+    pub fn configure(&self, conf: Option<&str>) -> Result<String, ConfigureError> {
         let text = match conf {
             Some(c) => c.to_string(),
             None => std::env::var("GPUMEM_CONF").unwrap_or_default(),
         };
-        let config = parse_conf(&text).map_err(|e| format!("gpumem configuration: {e}"))?;
+        let config = parse_conf(&text)
+            .map_err(|e| ConfigureError::Invalid(format!("gpumem configuration: {e}")))?;
         let mut setup = self.setup.lock();
         if setup.created && setup.conf_text.as_deref() != Some(text.as_str()) {
-            return Err(format!(
+            return Err(ConfigureError::Conflict(format!(
                 "gpumem is already serving allocations with configuration '{}'; it cannot change \
                  to '{text}' in this process",
                 setup.conf_text.as_deref().unwrap_or("")
-            ));
+            )));
         }
         setup.conf_text = Some(text.clone());
         setup.config = Some(config);
@@ -376,6 +418,10 @@ impl Registry {
                 "gpumem: cannot create the allocator of device {device}: {e}"
             ))
         })?;
+        if let Some(&(_, f)) = setup.fractions.iter().rev().find(|(d, _)| *d == device) {
+            apply_fraction(&alloc, f)?;
+        }
+        setup.fractions.retain(|(d, _)| *d != device);
         setup.created = true;
         let _ = slot.set(DeviceSlot {
             alloc: Arc::new(alloc),
@@ -488,14 +534,18 @@ impl Registry {
                 "gpumem: memory fraction {fraction} is not in [0, 1]"
             )));
         }
-        let slot = self.device(device_index(device)?)?;
-        if fraction == 0.0 {
-            slot.alloc.set_cap(Some(0));
-            Ok(())
-        } else {
-            slot.alloc
-                .set_memory_fraction(fraction)
-                .map_err(|e| TorchError::Other(format!("gpumem: {e}")))
+        let d = device_index(device)?;
+        if let Some(slot) = self.get(d) {
+            return apply_fraction(&slot.alloc, fraction);
+        }
+        let mut setup = self.setup.lock();
+        match self.get(d) {
+            // Created meanwhile (under the same lock as the pending list).
+            Some(slot) => apply_fraction(&slot.alloc, fraction),
+            None => {
+                setup.fractions.push((d, fraction));
+                Ok(())
+            }
         }
     }
 
@@ -671,8 +721,14 @@ mod tests {
             r.configure(Some("policy:caching")).is_ok(),
             "same again is fine"
         );
-        let e = r.configure(Some("policy:buddy")).unwrap_err();
-        assert!(e.contains("cannot change"), "{e}");
+        match r.configure(Some("policy:buddy")) {
+            Err(ConfigureError::Conflict(e)) => assert!(e.contains("cannot change"), "{e}"),
+            other => panic!("a change after the first allocation gave {other:?}"),
+        }
+        assert!(matches!(
+            r.configure(Some("policy:nonsense")),
+            Err(ConfigureError::Invalid(_))
+        ));
         assert!(r.use_source(Source::Cuda).is_err());
     }
 

@@ -16,7 +16,7 @@
 //! PyTorch. The free function runs inside PyTorch's deleters, where an exception would end the
 //! process, so it reports misuse on stderr and in counters instead.
 
-use crate::registry::{global, TorchError};
+use crate::registry::{global, warn, TorchError};
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -59,7 +59,13 @@ fn throw(e: TorchError) -> ! {
     // SAFETY: `msg` points to `msg.len()` initialised bytes that stay alive for the call (the
     // shim copies them into its exception before throwing). The function never returns; the
     // exception unwinds through this frame, which is allowed because the import is declared
-    // "C-unwind" and this frame holds no lock.
+    // "C-unwind" and this frame holds no lock. Once c10 is bound (`bind_c10`), the exception
+    // is a c10::OutOfMemoryError that c10's own constructor builds in a 1,024-byte buffer.
+    // Binding checks the type's name, base class and vtable shape; it cannot check two
+    // layouts the shim assumes: c10::SourceLocation (two pointers and a 32-bit line in every
+    // PyTorch 2.x) and c10::Error fitting in 1,024 bytes (128 in 2.11). The constructor's
+    // mangled name fixes libstdc++'s C++11 string ABI: a torch built with the old ABI does
+    // not export it, and binding fails (then a std::runtime_error is thrown instead).
     unsafe { gpumem_shim_throw(kind, msg.as_ptr().cast(), msg.len()) }
 }
 
@@ -99,7 +105,9 @@ pub extern "C" fn gpumem_torch_free(
         global().free(ptr as u64, device, stream as u64)
     }));
     if r.is_err() {
-        eprintln!("gpumem: internal error (a panic) while freeing {ptr:p}; please report it");
+        warn(format_args!(
+            "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
+        ));
     }
 }
 
@@ -111,7 +119,9 @@ pub extern "C" fn gpumem_torch_record_stream(ptr: *mut c_void, stream: *mut c_vo
         global().record_stream(ptr as u64, stream as u64)
     }));
     if r.is_err() {
-        eprintln!("gpumem: internal error (a panic) in record_stream of {ptr:p}; please report it");
+        warn(format_args!(
+            "gpumem: internal error (a panic) in record_stream of {ptr:p}; please report it"
+        ));
     }
 }
 
@@ -119,7 +129,9 @@ pub extern "C" fn gpumem_torch_record_stream(ptr: *mut c_void, stream: *mut c_vo
 #[no_mangle]
 pub extern "C" fn gpumem_torch_empty_cache() {
     if catch_unwind(|| global().empty_cache()).is_err() {
-        eprintln!("gpumem: internal error (a panic) in empty_cache; please report it");
+        warn(format_args!(
+            "gpumem: internal error (a panic) in empty_cache; please report it"
+        ));
     }
 }
 
@@ -128,8 +140,10 @@ pub extern "C" fn gpumem_torch_empty_cache() {
 pub extern "C" fn gpumem_torch_set_memory_fraction(fraction: f64, device: c_int) {
     match catch_unwind(|| global().set_memory_fraction(fraction, device)) {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => eprintln!("{}", e.message()),
-        Err(_) => eprintln!("gpumem: internal error (a panic) in set_memory_fraction"),
+        Ok(Err(e)) => warn(format_args!("{}", e.message())),
+        Err(_) => warn(format_args!(
+            "gpumem: internal error (a panic) in set_memory_fraction"
+        )),
     }
 }
 
@@ -141,7 +155,9 @@ pub fn bind_c10(libc10: &str, libc10_cuda: &str) -> Result<(), String> {
     let cuda = std::ffi::CString::new(libc10_cuda).map_err(|e| e.to_string())?;
     let mut err = vec![0u8; 512];
     // SAFETY: both paths are NUL-terminated strings alive for the call; `err` is a writable
-    // buffer of `err.len()` bytes, which the shim NUL-terminates within that length.
+    // buffer of `err.len()` bytes, which the shim NUL-terminates within that length. The shim
+    // function is `noexcept` and catches every C++ exception itself (returning 1), so nothing
+    // unwinds into this frame.
     let rc = unsafe {
         gpumem_shim_bind_c10(
             c10.as_ptr(),
@@ -184,8 +200,9 @@ pub fn call_alloc_from_cpp(size: usize, device: i32, stream: u64) -> CallOutcome
     let mut ty = vec![0u8; 256];
     let mut msg = vec![0u8; 4096];
     // SAFETY: `out` is a valid place for one pointer; the two buffers are writable for the
-    // lengths given and the shim NUL-terminates within them. The callee catches every C++
-    // exception, so nothing unwinds into this Rust frame.
+    // lengths given and the shim NUL-terminates within them. The callee is `noexcept` and
+    // catches every C++ exception, including any its handlers throw while describing one, so
+    // nothing unwinds into this Rust frame.
     let rc = unsafe {
         gpumem_shim_call_alloc(
             size,
@@ -242,18 +259,43 @@ mod tests {
         assert!(gpumem_torch_alloc(0, 0, std::ptr::null_mut()).is_null());
         gpumem_torch_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
 
-        // Misuse through the free hook is counted, not fatal.
+        // Misuse through the free hook is counted, not fatal (this is the only test that uses
+        // the process-wide registry, so the counts are exact).
+        let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         gpumem_torch_free(0x1234_5000 as *mut c_void, 16, 0, std::ptr::null_mut());
-        assert!(
-            global()
-                .counters
-                .foreign_frees
-                .load(std::sync::atomic::Ordering::Relaxed)
-                >= 1
+        assert_eq!(count(&global().counters.foreign_frees), 1);
+        // A live block freed with a device index that is not one: refused, and still live.
+        let q = gpumem_torch_alloc(MIB as usize, 0, std::ptr::null_mut());
+        gpumem_torch_free(q, MIB as usize, -3, std::ptr::null_mut());
+        gpumem_torch_free(q, MIB as usize, 64, std::ptr::null_mut());
+        assert_eq!(
+            global().memory_stats(0).allocated_bytes.all.current,
+            MIB as i64
         );
+        gpumem_torch_free(q, MIB as usize, 0, std::ptr::null_mut());
+        assert_eq!(global().memory_stats(0).allocated_bytes.all.current, 0);
+        // record_stream on null and on a freed pointer: nothing happens, nothing is fatal.
+        gpumem_torch_record_stream(std::ptr::null_mut(), 0x40 as *mut c_void);
+        gpumem_torch_record_stream(q, 0x40 as *mut c_void);
+        // Fractions that are not fractions, and bad devices, change nothing.
+        for (f, d) in [(f64::NAN, 0), (-0.5, 0), (2.0, 0), (0.5, -1), (0.5, 64)] {
+            gpumem_torch_set_memory_fraction(f, d);
+        }
+        // No cap came of them: 200 of the device's 256 MiB can still be had.
+        let big = gpumem_torch_alloc(200 * MIB as usize, 0, std::ptr::null_mut());
+        assert!(!big.is_null());
+        gpumem_torch_free(big, 0, 0, std::ptr::null_mut());
+        gpumem_torch_empty_cache();
 
         // A failure reaches the C++ caller as an exception with PyTorch's wording.
         match call_alloc_from_cpp(1 << 40, 0, 0) {
+            CallOutcome::Threw { type_name, what } => {
+                assert_eq!(type_name, "gpumem::OutOfMemoryError", "{what}");
+                assert!(what.starts_with("CUDA out of memory."), "{what}");
+            }
+            other => panic!("expected an exception, got {other:?}"),
+        }
+        match call_alloc_from_cpp(usize::MAX, 0, 0) {
             CallOutcome::Threw { type_name, what } => {
                 assert_eq!(type_name, "gpumem::OutOfMemoryError", "{what}");
                 assert!(what.starts_with("CUDA out of memory."), "{what}");

@@ -392,6 +392,25 @@ impl Allocator {
         } else {
             st.uses.remove(&ptr)
         };
+        // Used on other streams: an event on each of them first, so that if the driver
+        // refuses one the block stays live, its uses recorded, and the free can be retried.
+        let mut events = Vec::new();
+        if let Some(streams) = uses.as_ref().filter(|_| st.policy.is_allocated(ptr)) {
+            let mut d = self.device.lock();
+            for &s in streams {
+                match d.event_record(s) {
+                    Ok(e) => events.push(e),
+                    Err(e) => {
+                        for ev in events {
+                            d.event_destroy(ev);
+                        }
+                        drop(d);
+                        st.uses.insert(ptr, uses.expect("checked above"));
+                        return Err(e.into());
+                    }
+                }
+            }
+        }
         if self.tracker.is_some() && st.policy.is_allocated(ptr) {
             // Recorded before the release, which may return the block's segment.
             self.track(Action::FreeRequested, ptr, 0, shard.stream);
@@ -410,13 +429,7 @@ impl Allocator {
         if !known {
             return Ok(false);
         }
-        if let Some(streams) = uses {
-            let mut events = Vec::with_capacity(streams.len());
-            let mut d = self.device.lock();
-            for s in streams {
-                events.push(d.event_record(s)?);
-            }
-            drop(d);
+        if uses.is_some() {
             st.pending.push(Pending { addr: ptr, events });
         }
         Ok(true)

@@ -3,7 +3,7 @@
 
 use super::{
     add_python_frames, leak_report_dict, python_stack, stats_dict, to_pyerr, unpickle, GpumemError,
-    InvalidSizeError,
+    InvalidPointerError, InvalidSizeError,
 };
 use crate::diagnostics::{leaks_of, summary, watch_at_exit, CallerStacks};
 use crate::registry::parse_conf;
@@ -167,7 +167,8 @@ impl PyAllocator {
     /// faster lookup). Raises InvalidPointerError / DoubleFreeError for pointers that are not
     /// live blocks of this allocator.
     #[pyo3(signature = (ptr, stream=None))]
-    fn free(&self, py: Python<'_>, ptr: u64, stream: Option<u64>) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, ptr: i128, stream: Option<u64>) -> PyResult<()> {
+        let ptr = device_pointer(ptr)?;
         // Forgotten before the free: once freed, another thread may be handed the same
         // address. Put back if the free fails (the block is still live).
         let stack = self.stacks.as_ref().and_then(|s| s.take(ptr));
@@ -184,8 +185,10 @@ impl PyAllocator {
 
     /// Marks the block at `ptr` as used on `stream` too: once freed, it is reused only after
     /// the work queued on `stream` by then has completed.
-    fn record_stream(&self, ptr: u64, stream: u64) -> PyResult<()> {
-        self.inner.record_stream(ptr, stream).map_err(to_pyerr)
+    fn record_stream(&self, ptr: i128, stream: u64) -> PyResult<()> {
+        self.inner
+            .record_stream(device_pointer(ptr)?, stream)
+            .map_err(to_pyerr)
     }
 
     /// Waits for every pending event and releases the blocks that waited for them.
@@ -371,4 +374,12 @@ impl PyAllocator {
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("this allocator is not on the simulated device"))
     }
+}
+
+/// A pointer given from Python: any int is accepted, and one that cannot be a device address
+/// (negative, or wider than 64 bits) is refused as a pointer gpumem never handed out.
+fn device_pointer(ptr: i128) -> PyResult<u64> {
+    u64::try_from(ptr).map_err(|_| {
+        InvalidPointerError::new_err(format!("{ptr} is not a device pointer gpumem handed out"))
+    })
 }

@@ -3,7 +3,9 @@
 
 use super::{leak_report_dict, stats_dict, unpickle, GpumemError, OutOfMemoryError};
 use crate::diagnostics::{empty_snapshot, leak_check_at_exit, leaks_of, summary};
-use crate::registry::{global, sim_source, FreeOutcome, HistoryRequest, TorchError, MAX_DEVICES};
+use crate::registry::{
+    global, sim_source, ConfigureError, FreeOutcome, HistoryRequest, TorchError, MAX_DEVICES,
+};
 use crate::stats::stats_json_text;
 use crate::torch_abi::{bind_c10, call_alloc_from_cpp, oom_is_c10, CallOutcome};
 use gpumem_core::policy::BlockKind;
@@ -34,7 +36,10 @@ fn torch_err(e: TorchError) -> PyErr {
 #[pyfunction]
 #[pyo3(signature = (conf=None))]
 fn torch_configure(conf: Option<&str>) -> PyResult<String> {
-    global().configure(conf).map_err(PyValueError::new_err)
+    global().configure(conf).map_err(|e| match e {
+        ConfigureError::Invalid(m) => PyValueError::new_err(m),
+        ConfigureError::Conflict(m) => GpumemError::new_err(m),
+    })
 }
 
 /// The configuration text in force, or None before the first configuration.
