@@ -116,7 +116,12 @@ pub(crate) fn with_read_progress<T>(
 }
 
 fn load(path: &Path, device: u32, quiet: bool) -> Result<trace::Trace, String> {
-    with_read_progress(path, quiet, |p| trace::load(path, device, p))?.map_err(|e| e.to_string())
+    let t = with_read_progress(path, quiet, |p| trace::load(path, device, p))?
+        .map_err(|e| e.to_string())?;
+    for w in t.warnings() {
+        eprintln!("gpumem: warning: {}: {w}", path.display());
+    }
+    Ok(t)
 }
 
 pub fn run(a: ReplayArgs) -> Result<(), String> {

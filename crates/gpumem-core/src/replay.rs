@@ -160,7 +160,7 @@ fn recorded_segments(trace: &Trace) -> (Vec<u64>, u64) {
                 if e.kind == Kind::SegmentAlloc {
                     sizes.push(e.size);
                 }
-                cur += e.size;
+                cur = cur.saturating_add(e.size);
                 peak = peak.max(cur);
             }
             Kind::SegmentFree | Kind::SegmentUnmap => cur = cur.saturating_sub(e.size),
@@ -232,7 +232,8 @@ pub fn replay_on(
     let n = trace.events.len();
     let quarter = n.div_ceil(4).max(1);
     let mut calls_at: Vec<CallCounts> = Vec::new();
-    let mut blocks: FxHashMap<(u64, u64), Allocation> = FxHashMap::default();
+    // Live blocks by (stream, address), with the size the trace asked for.
+    let mut blocks: FxHashMap<(u64, u64), (Allocation, u64)> = FxHashMap::default();
     let mut waiting: FxHashMap<(u64, u64), Vec<EventHandle>> = FxHashMap::default();
     let (mut ooms, mut allocs, mut ops) = (0u64, 0u64, 0u64);
     let mut live_now = 0u64;
@@ -273,14 +274,14 @@ pub fn replay_on(
                         if let Some(t) = touch {
                             t(a.ptr, e.size);
                         }
-                        blocks.insert((e.stream, e.addr), a);
+                        blocks.insert((e.stream, e.addr), (a, e.size));
                     }
                     Err(err) if err.is_oom() => ooms += 1,
                     Err(err) => return Err(err),
                 }
             }
             Kind::FreeRequested => {
-                let Some(a) = blocks.get(&(e.stream, e.addr)).copied() else {
+                let Some((a, _)) = blocks.get(&(e.stream, e.addr)).copied() else {
                     continue;
                 };
                 ops += 1;
@@ -305,8 +306,9 @@ pub fn replay_on(
                 }
             }
             Kind::FreeCompleted => {
-                if blocks.remove(&(e.stream, e.addr)).is_some() {
-                    live_now -= e.size;
+                // The size it was allocated with (a malformed trace may free another).
+                if let Some((_, size)) = blocks.remove(&(e.stream, e.addr)) {
+                    live_now -= size;
                 }
                 if let (Some(evs), Some(ctl)) =
                     (waiting.remove(&(e.stream, e.addr)), events.as_ref())

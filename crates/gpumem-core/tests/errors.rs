@@ -2,7 +2,7 @@
 //! foreign pointers, double frees, and malformed, truncated or foreign trace files.
 
 use gpumem_core::backend::sim::{SimBackend, SimConfig};
-use gpumem_core::trace;
+use gpumem_core::trace::{self, Kind};
 use gpumem_core::{AllocError, Allocator, Config, PolicyKind, TraceError};
 use std::io::{Read, Write};
 
@@ -345,4 +345,103 @@ fn a_free_whose_event_fails_leaves_the_block_live_and_can_be_retried() {
         // A second free is a double free, not a success.
         assert!(a.free(x.ptr).is_err(), "{p:?}");
     }
+}
+
+/// Pickles crafted to break the reader (found by fuzzing `gpumem replay`): each must give an
+/// error or a trace, quickly and in little memory, never a panic.
+#[test]
+fn crafted_pickles_are_errors_not_panics_or_blowups() {
+    // A trace entry whose memo reference names the slot its own dict takes, and one whose
+    // reference is overwritten by a string memoized inside the same entry (the reader's fast
+    // path for entries indexed out of bounds / hit an "unreachable" branch).
+    for bytes in [
+        &b"\x80\x04]\x94\x8c\x06actionq\x010}\x94(h\x01\x8c\x05alloc\x94uaN0N0N0N0N0N0N0N0."[..],
+        &b"\x80\x04]\x94\x8c\x06actionq\x020}\x94(\x8c\x03foo\x94K\x01h\x02\x8c\x05alloc\x94uaN0N0N0N0N0N0N0N0."[..],
+    ] {
+        let e = read(bytes.to_vec()).unwrap_err();
+        assert!(e.to_string().contains("no allocation history"), "{e}");
+    }
+    // A 9-byte pickle putting a value at memo index 2^31 - 1 (asked for 8 GiB).
+    let e = read(b"\x80\x02Nr\xff\xff\xff\x7f.".to_vec()).unwrap_err();
+    assert!(
+        e.to_string().contains("memo index 2147483647 far beyond"),
+        "{e}"
+    );
+    // DUP then APPEND, 40 times: a list that would double each time if DUP copied it.
+    let mut dup = b"\x80\x04]".to_vec();
+    for _ in 0..40 {
+        dup.extend_from_slice(b"2a");
+    }
+    dup.push(b'.');
+    let t0 = std::time::Instant::now();
+    assert!(read(dup).is_err());
+    // 400,000 APPENDs with the stack kept deep (each APPEND once scanned the whole stack).
+    let mut deep = b"\x80\x04".to_vec();
+    deep.extend(std::iter::repeat_n(b'N', 200_000));
+    deep.extend_from_slice(b"]");
+    for _ in 0..400_000 {
+        deep.extend_from_slice(b"Na");
+    }
+    deep.push(b'.');
+    assert!(read(gz(&deep)).is_err());
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn text_logs_with_absurd_lines_are_errors() {
+    // One header line of 4 MiB: refused at 1 MiB, without splitting it into columns.
+    let long = format!("Thread,Time,Action,{}\n", ",".repeat(4 << 20));
+    let e = read(long.into_bytes()).unwrap_err();
+    assert!(
+        e.to_string().contains("a line longer than 1048576 bytes"),
+        "{e}"
+    );
+    // A time far beyond any clock is a bad time, not an overflow.
+    let log = "Thread,Time,Action,Pointer,Size,Stream\n1,1e300:0:0,allocate,0x10,16,0\n";
+    let e = read(log.as_bytes().to_vec()).unwrap_err();
+    assert!(e.to_string().contains("bad time"), "{e}");
+}
+
+#[test]
+fn what_a_replay_leaves_out_is_said() {
+    let ev = |kind, addr, size| trace::Event {
+        kind,
+        stream: 0,
+        addr,
+        size,
+        time_us: 0,
+    };
+    let t = trace::Trace {
+        events: vec![
+            ev(Kind::Alloc, 0x1000, 512),
+            ev(Kind::Alloc, 0x2000, 0),
+            ev(Kind::FreeRequested, 0x9000, 512),
+            ev(Kind::FreeRequested, 0x1000, 512),
+            ev(Kind::FreeCompleted, 0x1000, 512),
+        ],
+        meta: trace::TraceMeta {
+            skipped_entries: 3,
+            ..Default::default()
+        },
+    };
+    let w = t.warnings();
+    assert_eq!(w.len(), 3, "{w:?}");
+    assert!(w[0].starts_with("3 entries have an action"), "{w:?}");
+    assert!(w[1].starts_with("1 allocations of 0 bytes"), "{w:?}");
+    assert!(w[2].starts_with("1 frees of addresses"), "{w:?}");
+    // A bundled trace recorded by PyTorch has nothing to say.
+    let clean = trace::load(
+        std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../traces/validation/mlp.pickle.gz"
+        )),
+        0,
+        None,
+    )
+    .unwrap();
+    assert!(clean.warnings().is_empty(), "{:?}", clean.warnings());
 }

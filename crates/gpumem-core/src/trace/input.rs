@@ -11,6 +11,8 @@ use std::sync::Arc;
 pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
 
 const CHUNK: usize = 1 << 20;
+/// Longest line a text trace (an RMM log) may have.
+pub const MAX_LINE: usize = 1 << 20;
 
 enum Source {
     Plain(Box<dyn Read + Send>),
@@ -253,15 +255,29 @@ impl Input {
         }
     }
 
-    /// The next line without its end (`None` at the end of the stream).
+    /// The next line without its end (`None` at the end of the stream). A line longer than
+    /// [`MAX_LINE`] bytes is an error (no text log has one).
     pub fn line(&mut self) -> Result<Option<String>, TraceError> {
+        // Bytes of the window already searched for the end of the line.
+        let mut searched = 0;
         loop {
-            if let Some(i) = self.window().iter().position(|&b| b == b'\n') {
+            if let Some(i) = self.window()[searched..]
+                .iter()
+                .position(|&b| b == b'\n')
+                .map(|i| i + searched)
+            {
                 let s = String::from_utf8_lossy(&self.window()[..i])
                     .trim_end_matches('\r')
                     .to_string();
                 self.advance(i + 1);
                 return Ok(Some(s));
+            }
+            searched = self.window().len();
+            if searched > MAX_LINE {
+                return Err(TraceError::Malformed {
+                    offset: self.offset(),
+                    what: format!("a line longer than {MAX_LINE} bytes"),
+                });
             }
             if !self.fill()? {
                 if self.window().is_empty() {

@@ -116,6 +116,10 @@ pub struct TraceMeta {
     pub expandable_segments: Option<bool>,
     /// `PYTORCH_CUDA_ALLOC_CONF` at recording time.
     pub alloc_conf: Option<String>,
+    /// Entries the reader left out: an action gpumem does not replay (`oom`, `snapshot`...)
+    /// or none.
+    #[serde(default)]
+    pub skipped_entries: u64,
 }
 
 /// A trace in memory.
@@ -128,6 +132,46 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// What a replay of this trace leaves out or ignores, one line each (none for a clean
+    /// trace): entries with an action gpumem does not replay, allocations of 0 bytes (which
+    /// PyTorch never records: a size the reader could not read as a byte count), and frees of
+    /// addresses with no live allocation.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut live: rustc_hash::FxHashSet<(u64, u64)> = Default::default();
+        let (mut zero, mut unknown_frees) = (0u64, 0u64);
+        for e in &self.events {
+            match e.kind {
+                Kind::Alloc if e.size == 0 => zero += 1,
+                Kind::Alloc => {
+                    live.insert((e.stream, e.addr));
+                }
+                Kind::FreeRequested if !live.contains(&(e.stream, e.addr)) => unknown_frees += 1,
+                Kind::FreeCompleted => {
+                    live.remove(&(e.stream, e.addr));
+                }
+                _ => {}
+            }
+        }
+        let mut w = Vec::new();
+        if self.meta.skipped_entries > 0 {
+            w.push(format!(
+                "{} entries have an action gpumem does not replay (such as oom or snapshot) or                  none; they were left out",
+                self.meta.skipped_entries
+            ));
+        }
+        if zero > 0 {
+            w.push(format!(
+                "{zero} allocations of 0 bytes (or of a size that is not a byte count) were left out"
+            ));
+        }
+        if unknown_frees > 0 {
+            w.push(format!(
+                "{unknown_frees} frees of addresses with no live allocation were ignored"
+            ));
+        }
+        w
+    }
+
     /// Whether the trace has the recording allocator's own segment events (which a
     /// simulation of it can be checked against).
     pub fn has_segment_events(&self) -> bool {

@@ -79,6 +79,8 @@ struct Vm<'a> {
     memo: Vec<u32>,
     memo_vals: Vec<V>,
     next_memo: u32,
+    /// Length of `scratch` at which `append` next scans the stack for entries.
+    scratch_scan_at: usize,
     /// Trace entries converted but not yet appended to their list.
     scratch: Vec<Option<Event>>,
     strs: Strings,
@@ -112,6 +114,10 @@ impl Strings {
 }
 
 const NO_VALUE: u32 = u32::MAX;
+/// How far past the memo's end a BINPUT index may reach (picklers number it without gaps).
+const MEMO_GAP: usize = 1 << 16;
+/// Entries converted before `append` first scans the stack to forget them.
+const SCRATCH_SCAN_MIN: usize = 64;
 /// Marks a memo entry that is a string id (most are), which then needs no `memo_vals` slot.
 const STR_BIT: u32 = 1 << 31;
 
@@ -249,8 +255,16 @@ impl<'a> Vm<'a> {
         };
         let i = idx as usize;
         if i >= self.memo.len() {
-            if i > (1 << 31) {
-                return Err(malformed(self.inp.offset(), format!("memo index {idx}")));
+            // Picklers number the memo from 0 without gaps; a far index would only cost
+            // memory (a 9-byte file asked for 8 GiB).
+            if i > self.memo.len() + MEMO_GAP {
+                return Err(malformed(
+                    self.inp.offset(),
+                    format!(
+                        "memo index {idx} far beyond the {} entries so far",
+                        self.memo.len()
+                    ),
+                ));
             }
             self.memo.resize(i + 1, NO_VALUE);
         }
@@ -293,9 +307,11 @@ impl<'a> Vm<'a> {
                         None => {
                             // A PyTorch trace entry takes about 70 pickled bytes: size the
                             // list once rather than growing (and copying) it many times.
+                            // The hint (gzip's trailer) is the file's word, so the guess is
+                            // capped: 4 M entries is more than the largest trace seen (1.66 M).
                             let guess = self.inp.size_hint.unwrap_or(0) / 72;
                             self.events
-                                .push(Vec::with_capacity(guess.min(1 << 28) as usize));
+                                .push(Vec::with_capacity(guess.min(1 << 22) as usize));
                             let id = (self.events.len() - 1) as u32;
                             target_id = Some(id);
                             id
@@ -318,9 +334,14 @@ impl<'a> Vm<'a> {
             (V::Events(_), _) | (V::Shared, _) | (V::Opaque, _) => {}
             _ => return Err(malformed(off, "APPEND to something that is not a list")),
         }
-        // Forget converted entries once none is left on the stack.
-        if !self.scratch.is_empty() && !self.stack.iter().any(|v| matches!(v, V::Entry(_))) {
-            self.scratch.clear();
+        // Forget converted entries once none is left on the stack. The stack is scanned only
+        // when the list of entries has doubled since the last scan, so that a stack kept deep
+        // on purpose does not make every APPEND scan it (quadratic time).
+        if self.scratch.len() >= self.scratch_scan_at {
+            if !self.stack.iter().any(|v| matches!(v, V::Entry(_))) {
+                self.scratch.clear();
+            }
+            self.scratch_scan_at = (2 * self.scratch.len()).max(SCRATCH_SCAN_MIN);
         }
         Ok(())
     }
@@ -528,8 +549,11 @@ impl<'a> Vm<'a> {
         }
         // Memo references must name strings already known, and one key must be "action":
         // other dicts (segments, settings) are left to the general loop, which keeps them.
+        // Only references to slots filled before this entry: the second pass fills the slots
+        // from `next_memo` on, and must not change what a reference of this entry reads.
         let tag_now = |s: &S| -> Option<Tag> {
             match *s {
+                S::Memo(i) if i >= self.next_memo as usize => None,
                 S::Memo(i) => match self.memo.get(i) {
                     Some(&k) if k != NO_VALUE => match self.memo_value(k) {
                         V::Str(id) => Some(self.strs.tags[id as usize]),
@@ -786,7 +810,12 @@ impl<'a> Vm<'a> {
                     self.pop_mark()?;
                 }
                 b'2' => {
-                    let v = self.top()?.clone();
+                    // DUP: a second reference to a container is Shared, as for the memo (a
+                    // copy would let a few bytes of DUP and APPEND double the memory each time).
+                    let v = match self.top()? {
+                        V::List(_) | V::Dict(_) | V::Events(_) | V::Entry(_) => V::Shared,
+                        other => other.clone(),
+                    };
                     self.stack.push(v);
                 }
                 b'c' => {
@@ -982,6 +1011,7 @@ pub fn read_snapshot_full(inp: &mut Input, device: u32) -> Result<Snapshot, Trac
         memo: Vec::new(),
         memo_vals: Vec::new(),
         next_memo: 0,
+        scratch_scan_at: SCRATCH_SCAN_MIN,
         scratch: Vec::new(),
         strs: Strings::default(),
         events: Vec::new(),
@@ -997,6 +1027,7 @@ pub fn read_snapshot_full(inp: &mut Input, device: u32) -> Result<Snapshot, Trac
     let mut meta = TraceMeta {
         format: "pytorch-snapshot".into(),
         device,
+        skipped_entries: vm.skipped,
         ..TraceMeta::default()
     };
     if let Some(V::Dict(settings)) = vm.dict_get(items, Tag::AllocatorSettings) {

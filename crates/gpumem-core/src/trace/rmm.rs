@@ -18,15 +18,32 @@ fn parse_int(s: &str) -> Option<u64> {
 /// Seconds since the epoch ("1634567890.123456") or a time of day ("21:24:09.471658"), in µs.
 fn parse_time(s: &str) -> Option<u64> {
     let s = s.trim();
-    if s.contains(':') {
+    let seconds = if s.contains(':') {
         let mut parts = s.split(':');
         let h: f64 = parts.next()?.parse().ok()?;
         let m: f64 = parts.next()?.parse().ok()?;
         let sec: f64 = parts.next()?.parse().ok()?;
-        Some(((h * 3600.0 + m * 60.0 + sec) * 1e6) as u64)
+        h * 3600.0 + m * 60.0 + sec
     } else {
-        let v: f64 = s.parse().ok()?;
-        (v >= 0.0).then_some((v * 1e6) as u64)
+        s.parse().ok()?
+    };
+    // Up to about 30,000 years: anything beyond (or negative, or NaN) is not a log's time.
+    (0.0..=MAX_SECONDS)
+        .contains(&seconds)
+        .then_some((seconds * 1e6) as u64)
+}
+
+/// The largest time a log line may carry, in seconds (µs totals then stay far from u64::MAX).
+const MAX_SECONDS: f64 = 1e12;
+
+/// Longest header quoted in an error message.
+const QUOTE_MAX: usize = 200;
+
+/// `text`, cut to its first QUOTE_MAX characters for an error message.
+fn quote(text: &str) -> String {
+    match text.char_indices().nth(QUOTE_MAX) {
+        Some((i, _)) => format!("{}… ({} bytes)", &text[..i], text.len()),
+        None => text.to_string(),
     }
 }
 
@@ -43,7 +60,7 @@ pub fn read_csv(inp: &mut Input) -> Result<Trace, TraceError> {
             .position(|c| c == name)
             .ok_or_else(|| TraceError::Malformed {
                 offset: 0,
-                what: format!("RMM log header has no '{name}' column: {header}"),
+                what: format!("RMM log header has no '{name}' column: {}", quote(&header)),
             })
     };
     let (c_time, c_action, c_ptr, c_size) =
@@ -61,7 +78,7 @@ pub fn read_csv(inp: &mut Input) -> Result<Trace, TraceError> {
         let f: Vec<&str> = line.split(',').collect();
         let bad = |what: &str| TraceError::Malformed {
             offset: inp_offset_hint(lineno),
-            what: format!("line {lineno}: {what}: {line}"),
+            what: format!("line {lineno}: {what}: {}", quote(&line)),
         };
         let get = |i: usize| f.get(i).copied().ok_or_else(|| bad("too few columns"));
         let mut time = parse_time(get(c_time)?).ok_or_else(|| bad("bad time"))?;
@@ -73,6 +90,8 @@ pub fn read_csv(inp: &mut Input) -> Result<Trace, TraceError> {
                 time += 86_400_000_000;
             }
         }
+        // (Times are at most MAX_SECONDS, and a day is added only when the clock goes back by
+        // an hour, so these sums stay far below u64::MAX.)
         last_time = time;
         let addr = parse_int(get(c_ptr)?).ok_or_else(|| bad("bad pointer"))?;
         let size = parse_int(get(c_size)?).ok_or_else(|| bad("bad size"))?;
