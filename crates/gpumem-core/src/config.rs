@@ -229,6 +229,7 @@ mod tests {
         assert_eq!(c.prealloc, Some(Amount::Fraction(0.9)));
         assert_eq!(c.cap, Some(Amount::Bytes(40 * GIB)));
         assert_eq!(c.options.slack, 0.02);
+        assert_eq!(c.costs, CostModel::zero());
         assert!(!c.options.own_stream_peaks);
         assert!(
             Config::parse("stream_pages:own")
@@ -266,6 +267,7 @@ mod tests {
     fn errors_name_the_problem() {
         for (bad, needle) in [
             ("policy:magic", "unknown policy"),
+            ("costs:fast", "expected h200 or zero"),
             ("prealloc:1.5", "between 0 and 1"),
             ("prealloc:lots", "expected bytes"),
             ("fraction:2GiB", "fraction"),

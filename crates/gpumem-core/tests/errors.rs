@@ -445,3 +445,24 @@ fn what_a_replay_leaves_out_is_said() {
     .unwrap();
     assert!(clean.warnings().is_empty(), "{:?}", clean.warnings());
 }
+
+#[test]
+fn a_prealloc_beyond_the_cap_is_refused() {
+    for p in [PolicyKind::Caching, PolicyKind::Stitched] {
+        let (sim, _) = SimBackend::new(SimConfig::default());
+        let conf = format!("policy:{},prealloc:0.5,cap:1GiB", p.name());
+        let e = Allocator::new(Box::new(sim), Config::parse(&conf).unwrap())
+            .err()
+            .expect("refused");
+        assert!(
+            e.to_string()
+                .contains("more than the cap of 1073741824 bytes"),
+            "{e}"
+        );
+        // Within the cap it is taken at once.
+        let (sim, _) = SimBackend::new(SimConfig::default());
+        let conf = format!("policy:{},prealloc:512MiB,cap:1GiB", p.name());
+        let a = Allocator::new(Box::new(sim), Config::parse(&conf).unwrap()).unwrap();
+        assert_eq!(a.memory_stats().reserved_bytes.all.current, 512 << 20);
+    }
+}

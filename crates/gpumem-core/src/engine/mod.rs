@@ -94,6 +94,11 @@ impl Allocator {
                         info.total_bytes
                     )));
                 }
+                if let Some(cap) = d.cap().filter(|&c| bytes > c) {
+                    return Err(AllocError::Config(format!(
+                        "prealloc of {bytes} bytes is more than the cap of {cap} bytes"
+                    )));
+                }
                 d.preallocate(bytes, !config.policy.uses_pages())?;
             }
         }
