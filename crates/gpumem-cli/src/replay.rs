@@ -82,7 +82,12 @@ pub(crate) fn parse_policy(s: &str) -> Result<PolicyKind, String> {
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
-    parse_size(s).ok_or_else(|| format!("'{s}' is not a size (e.g. 80GiB)"))
+    match parse_size(s) {
+        // Less than one 2 MiB page could hold nothing.
+        Some(b) if b >= 2 << 20 => Ok(b),
+        Some(_) => Err(format!("'{s}' is smaller than one 2 MiB page")),
+        None => Err(format!("'{s}' is not a size (e.g. 80GiB)")),
+    }
 }
 
 /// Runs `read` on `path` with a progress bar of the bytes read (unless `quiet` or the file is

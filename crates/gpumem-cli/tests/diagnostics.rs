@@ -263,3 +263,26 @@ fn replay_gpu_lag_counts_fewer_host_waits_and_refuses_nonsense() {
         assert!(e.contains("not a lag in milliseconds"), "{bad}: {e}");
     }
 }
+
+#[test]
+fn absurd_arguments_are_refused_before_any_work() {
+    let t = bundled_trace("validation/mlp.pickle.gz");
+    let out = gpumem()
+        .args(["replay", "--device-memory", "1"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("smaller than one 2 MiB page"), "{e}");
+    // More threads than an allocator has streams: refused at once, not 100,000 threads spawned.
+    let t0 = Instant::now();
+    let out = gpumem()
+        .args(["bench", "alloc", "--sim", "--threads", "100000"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("100000 threads: at most 1024"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}

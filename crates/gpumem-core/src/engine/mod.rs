@@ -15,7 +15,8 @@ use crate::stats::MemoryStats;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
-use streams::{StreamTable, MAX_STREAMS};
+use streams::StreamTable;
+pub use streams::MAX_STREAMS;
 use track::{Action, Tracker};
 
 /// A block handed out: its address, its size after rounding, and the shard that owns it (so

@@ -253,6 +253,11 @@ pub fn run(
     if opts.threads.contains(&0) {
         return Err("thread counts must be at least 1".into());
     }
+    // Each thread has a stream of its own, and an allocator serves at most MAX_STREAMS.
+    let most = gpumem_core::engine::MAX_STREAMS;
+    if let Some(t) = opts.threads.iter().find(|&&t| t > most) {
+        return Err(format!("{t} threads: at most {most} (one stream each)"));
+    }
     let base_config = Config::parse(&opts.conf).map_err(|e| e.to_string())?;
     let target = if opts.sim {
         Target::Sim
