@@ -3,12 +3,21 @@ CUDA. Every test runs its PyTorch code in a fresh interpreter: install() must pr
 initialization and holds for the whole process."""
 
 import os
+import pickle
 import subprocess
 import sys
 
 import pytest
 
-from conftest import GIB, MIB, TORCH_STAT_KEYS, needs_torch_cuda, run_python
+from conftest import (
+    GIB,
+    MIB,
+    TORCH_STAT_KEYS,
+    check_snapshot_shape,
+    live_blocks,
+    needs_torch_cuda,
+    run_python,
+)
 
 pytestmark = needs_torch_cuda
 
@@ -263,14 +272,20 @@ gpumem.torch.install(conf="history:10000")
 x = torch.empty(5 * 2**20, dtype=torch.uint8, device="cuda")
 snap = gpumem.torch.snapshot()
 torch.cuda.memory._dump_snapshot(%r)
-print(json.dumps({"keys": sorted(snap), "n_segments": len(snap["segments"]),
+print(json.dumps({"x": x.data_ptr(),
                   "actions": sorted({e["action"] for t in snap["device_traces"] for e in t})}))
 """
         % str(path)
     )
-    assert {"segments", "device_traces"} <= set(r["keys"])
-    assert r["n_segments"] >= 1
-    assert "alloc" in r["actions"]
+    # The file torch.cuda.memory._dump_snapshot wrote has exactly the shape of PyTorch's own,
+    # and holds the tensor as PyTorch would describe it.
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    check_snapshot_shape(snap)
+    assert live_blocks(snap)[r["x"]] == (5 * MIB, 5 * MIB, "large")
+    # One tensor allocated on a fresh pool: its segment's mapping and the allocation itself.
+    assert "alloc" in r["actions"], r["actions"]
+    assert set(r["actions"]) <= {"alloc", "segment_alloc", "segment_map"}, r["actions"]
     viz = subprocess.run(
         [sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(path)],
         capture_output=True,

@@ -53,8 +53,8 @@ struct Live {
 
 struct Model {
     live: Vec<Live>,
-    /// Address ranges freed but waiting for events: (start, end, events).
-    quarantine: Vec<(u64, u64, Vec<gpumem_core::backend::EventHandle>)>,
+    /// Address ranges freed but waiting for events: (start, end, requested bytes, events).
+    quarantine: Vec<(u64, u64, u64, Vec<gpumem_core::backend::EventHandle>)>,
 }
 
 fn overlaps(map: &BTreeMap<u64, u64>, start: u64, end: u64) -> Option<(u64, u64)> {
@@ -102,7 +102,7 @@ fn run_sequence(policy: PolicyKind, ops: &[Op]) -> Result<(), TestCaseError> {
                                 "{policy:?} step {step}: new block {start:#x}..{end:#x} overlaps live {os:#x}..{oe:#x}"
                             )));
                         }
-                        for (qs, qe, _) in &m.quarantine {
+                        for (qs, qe, _, _) in &m.quarantine {
                             prop_assert!(
                                 end <= *qs || start >= *qe,
                                 "{:?} step {}: block {:#x} reuses memory freed with pending stream uses",
@@ -153,7 +153,8 @@ fn run_sequence(policy: PolicyKind, ops: &[Op]) -> Result<(), TestCaseError> {
                 let evs: Vec<_> = ctl.take_recorded().into_iter().map(|(h, _)| h).collect();
                 if !l.used_on.is_empty() {
                     prop_assert_eq!(evs.len(), l.used_on.len(), "one event per stream used");
-                    m.quarantine.push((l.a.ptr, l.a.ptr + l.a.size, evs));
+                    m.quarantine
+                        .push((l.a.ptr, l.a.ptr + l.a.size, l.requested, evs));
                 }
                 // A second free of the same pointer is an error, never a crash.
                 prop_assert!(alloc.free(l.a.ptr).is_err());
@@ -173,7 +174,7 @@ fn run_sequence(policy: PolicyKind, ops: &[Op]) -> Result<(), TestCaseError> {
                 }
             }
             Op::CompleteEvents { count } => {
-                for (_, _, evs) in m.quarantine.drain(..(*count).min(m.quarantine.len())) {
+                for (_, _, _, evs) in m.quarantine.drain(..(*count).min(m.quarantine.len())) {
                     for e in evs {
                         ctl.complete(e);
                     }
@@ -215,8 +216,15 @@ fn run_sequence(policy: PolicyKind, ops: &[Op]) -> Result<(), TestCaseError> {
             allocated + pending,
             "active_bytes"
         );
-        let requested: u64 = m.live.iter().map(|l| l.requested).sum();
-        prop_assert!(st.requested_bytes.all.current as u64 >= requested);
+        // As in PyTorch, a block's requested bytes are counted until it is reusable: the live
+        // blocks' and those of blocks freed but waiting for their stream uses.
+        let requested: u64 = m.live.iter().map(|l| l.requested).sum::<u64>()
+            + m.quarantine.iter().map(|q| q.2).sum::<u64>();
+        prop_assert_eq!(
+            st.requested_bytes.all.current as u64,
+            requested,
+            "requested_bytes"
+        );
         prop_assert_eq!(
             st.reserved_bytes.all.current as u64,
             alloc.held_bytes(),

@@ -494,7 +494,11 @@ mod tests {
             hbm_bytes: 1 << 20,
             ..Default::default()
         };
-        assert!(o.validate().is_err());
+        let e = o.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("HBM buffer") && e.contains("at least 64 MiB") && e.contains("1048576"),
+            "{e}"
+        );
     }
 
     /// Without a driver (CI), `run` must fail with NoDriver, not panic. With one, the whole

@@ -690,11 +690,54 @@ pub(crate) mod tests {
         assert!(text.contains("l2_read: allocate"));
     }
 
+    /// `a` and `b` have the same keys, lengths and values, except that floats may differ in
+    /// their last bit: serde_json (its `float_roundtrip` feature is off in this workspace)
+    /// parses some decimals to the neighbouring f64 (14.646464646464647 is written and
+    /// 14.646464646464649 read back), so an exact comparison of floats would fail.
+    fn same_value(a: &serde_json::Value, b: &serde_json::Value, at: &str) {
+        use serde_json::Value;
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                assert_eq!(
+                    x.keys().collect::<Vec<_>>(),
+                    y.keys().collect::<Vec<_>>(),
+                    "{at}"
+                );
+                for (k, v) in x {
+                    same_value(v, &y[k], &format!("{at}.{k}"));
+                }
+            }
+            (Value::Array(x), Value::Array(y)) => {
+                assert_eq!(x.len(), y.len(), "{at}");
+                for (i, (v, w)) in x.iter().zip(y).enumerate() {
+                    same_value(v, w, &format!("{at}[{i}]"));
+                }
+            }
+            (Value::Number(x), Value::Number(y)) if x.is_f64() && y.is_f64() => {
+                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                assert!(
+                    (x - y).abs() <= f64::EPSILON * x.abs().max(y.abs()),
+                    "{at}: {x} != {y}"
+                );
+            }
+            _ => assert_eq!(a, b, "{at}"),
+        }
+    }
+
     #[test]
     fn report_round_trips_through_json() {
         let r = sample_report();
         let json = serde_json::to_string_pretty(&r).unwrap();
         let back: ProbeReport = serde_json::from_str(&json).unwrap();
+        // Every field comes back: the report read back is exactly what the text says...
+        let text: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(serde_json::to_value(&back).unwrap(), text);
+        // ...and what was written, floats to within their last bit.
+        same_value(
+            &serde_json::to_value(&back).unwrap(),
+            &serde_json::to_value(&r).unwrap(),
+            "report",
+        );
         assert_eq!(back.latency.len(), r.latency.len());
         assert_eq!(back.hbm_copy_peak.unwrap().gbps, 4290.0);
         assert_eq!(back.capacity.l2_bytes, 62_914_560);

@@ -311,10 +311,18 @@ mod tests {
         }
         // The process goes on, and the fraction hook caps the device.
         gpumem_torch_set_memory_fraction(0.5, 0);
-        assert!(matches!(
-            call_alloc_from_cpp(200 * MIB as usize, 0, 0),
-            CallOutcome::Threw { .. }
-        ));
+        // Half of the 256 MiB device: 200 MiB is refused, and the message names the cap and
+        // the setting that raises it.
+        match call_alloc_from_cpp(200 * MIB as usize, 0, 0) {
+            CallOutcome::Threw { type_name, what } => {
+                assert_eq!(type_name, "gpumem::OutOfMemoryError", "{what}");
+                assert!(what.starts_with("CUDA out of memory."), "{what}");
+                assert!(what.contains("may hold at most 128.00 MiB"), "{what}");
+                assert!(what.contains("capped at 128.00 MiB"), "{what}");
+                assert!(what.contains("fraction:"), "{what}");
+            }
+            other => panic!("expected an exception, got {other:?}"),
+        }
         match call_alloc_from_cpp(MIB as usize, 0, 0) {
             CallOutcome::Returned(p) => {
                 gpumem_torch_free(p as *mut c_void, 0, 0, std::ptr::null_mut())

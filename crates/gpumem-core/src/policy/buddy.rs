@@ -778,7 +778,17 @@ mod tests {
         assert_eq!(x.size, 1024);
         assert_eq!(y.size, 4096);
         b.check().unwrap();
-        assert!(b.stats().inactive_split.all.current > 0);
+        // Halving the arena down to 1 KiB for x leaves one free buddy of each order from 10
+        // to ARENA_ORDER - 1; y takes the free 4 KiB one (order 12). What stays free are the
+        // buddies of orders 10, 11 and 13..ARENA_ORDER: ARENA_ORDER - 11 blocks.
+        assert_eq!(
+            b.stats().inactive_split.all.current,
+            i64::from(ARENA_ORDER - 11)
+        );
+        assert_eq!(
+            b.stats().inactive_split_bytes.all.current,
+            (1i64 << ARENA_ORDER) - 1024 - 4096
+        );
         for p in [x, y] {
             b.free_requested(p.addr).unwrap();
             b.release(p.addr, &d).unwrap();

@@ -217,19 +217,37 @@ mod tests {
     #[test]
     fn large_split_rule_differs_between_native_and_caching() {
         let d = dev();
-        // A 20 MiB segment for a 9.5 MiB request; then ask for 10 MiB - 512 KiB... the
-        // remainder of 10.5 MiB is split off (> 1 MiB) in both.
+        // A 9.5 MiB request gets a 20 MiB segment (1-10 MiB requests do); the 10.5 MiB
+        // remainder is more than 1 MiB, so both policies split it off as a free block. Freed,
+        // the block merges back: one free 20 MiB block in each.
         let mut n = Segmented::native(0);
-        let a = n.allocate(19 * MIB / 2, &d).unwrap();
-        assert_eq!(a.size, 19 * MIB / 2);
-        n.free_requested(a.addr);
-        n.release(a.addr, &d).unwrap();
-        // Native hands out a whole 20 MiB block for a 19.5 MiB request (remainder 0.5 MiB).
+        let mut c = Segmented::caching(0);
+        for p in [&mut n, &mut c] {
+            let a = p.allocate(19 * MIB / 2, &d).unwrap();
+            assert_eq!(a.size, 19 * MIB / 2, "{}", p.name());
+            let segs = p.segments();
+            assert_eq!(segs.len(), 1, "{}", p.name());
+            assert_eq!(segs[0].size, 20 * MIB, "{}", p.name());
+            assert_eq!(p.stats().inactive_split.all.current, 1, "{}", p.name());
+            assert_eq!(
+                p.stats().inactive_split_bytes.all.current,
+                (21 * MIB / 2) as i64,
+                "{}",
+                p.name()
+            );
+            p.free_requested(a.addr);
+            p.release(a.addr, &d).unwrap();
+            assert_eq!(p.stats().inactive_split.all.current, 0, "{}", p.name());
+        }
+        assert_eq!(d.lock().held(), 40 * MIB);
+        // A 19.5 MiB request then fits the free 20 MiB block. Native hands it out whole (the
+        // 0.5 MiB remainder is not over 1 MiB); caching splits the 0.5 MiB off.
         let b = n.allocate(39 * MIB / 2, &d).unwrap();
         assert_eq!(b.size, 20 * MIB);
-        let mut c = Segmented::caching(0);
         let x = c.allocate(39 * MIB / 2, &d).unwrap();
         assert_eq!(x.size, 39 * MIB / 2, "caching splits off the 0.5 MiB");
+        assert_eq!(c.stats().inactive_split_bytes.all.current, (MIB / 2) as i64);
+        assert_eq!(d.lock().held(), 40 * MIB, "no new segment");
         n.check().unwrap();
         c.check().unwrap();
     }

@@ -609,17 +609,25 @@ mod tests {
             row("Allocations"),
             "| Allocations           |       2    |       3    |       3    |       1    |"
         );
+        // The statistics these rows show (active, requested, inactive split, segment and
+        // oversize counts) were never set above: every cell is zero, in bytes or as a count.
+        for label in ["Active memory", "Requested memory", "Non-releasable memory"] {
+            assert_eq!(
+                row(label),
+                format!("| {label:<21} |{}", "      0 B   |".repeat(4))
+            );
+        }
         for label in [
-            "Active memory",
-            "Requested memory",
-            "Non-releasable memory",
             "Active allocs",
             "GPU reserved segments",
             "Non-releasable allocs",
             "Oversize allocations",
             "Oversize GPU segments",
         ] {
-            row(label);
+            assert_eq!(
+                row(label),
+                format!("| {label:<21} |{}", "       0    |".repeat(4))
+            );
         }
         let short = render_summary(
             &s,

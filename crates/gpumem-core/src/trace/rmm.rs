@@ -156,7 +156,14 @@ mod tests {
         assert_eq!(t.events[0].addr, 0x7f00_0000_0000);
         assert_eq!(t.events[0].stream, 0x10);
         assert_eq!(t.events[0].time_us, 1_634_567_890_500_000);
+        // A deallocate row is a free requested and completed at once, both at its time.
+        assert_eq!(t.events[1].kind, Kind::FreeRequested);
         assert_eq!(t.events[2].kind, Kind::FreeCompleted);
+        for e in &t.events {
+            assert_eq!((e.addr, e.size, e.stream), (0x7f00_0000_0000, 1024, 0x10));
+        }
+        assert_eq!(t.events[1].time_us, 1_634_567_890_750_000);
+        assert_eq!(t.events[2].time_us, 1_634_567_890_750_000);
     }
 
     #[test]

@@ -173,7 +173,20 @@ mod tests {
         ];
         let s = render(&ms);
         assert!(s.contains("22.8 (0.10×)"), "{s}");
-        assert!(s.contains("228"), "{s}");
+        // PyTorch's anchor for same_1MiB (228 ns, from `anchor`) is in its column of that row.
+        let cells = |line: &str| -> Vec<String> {
+            line.split(['│', '┆'])
+                .map(|c| c.trim().to_string())
+                .collect()
+        };
+        let header = cells(s.lines().find(|l| l.contains("PyTorch (anchor)")).unwrap());
+        let col = header.iter().position(|c| c == "PyTorch (anchor)").unwrap();
+        let row = s
+            .lines()
+            .map(cells)
+            .find(|r| r.get(1).is_some_and(|c| c == "same_1MiB"))
+            .unwrap_or_else(|| panic!("no same_1MiB row in\n{s}"));
+        assert_eq!(row[col], "228", "{s}");
         assert!(s.contains("same_1MiB 22.8 ok"), "{s}");
         // 45 at 8 threads misses the 40 ns target, and 40 → 45 is not falling.
         assert!(s.contains(&format!("{MT_CASE}×8 45.0 MISSED")), "{s}");
