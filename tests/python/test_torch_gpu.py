@@ -109,17 +109,14 @@ main = torch.cuda.Stream()
 side = torch.cuda.Stream()
 n = 16 * 2**20
 
-def busy_work():
-    a = torch.randn(8192, 8192, device="cuda")
-    for _ in range(40):
-        a = a @ a / 8192.0
-    return a
-
-# Mapping fresh pages synchronises the device, which would drain the side stream's queue: run
-# everything once first so that the measured pass allocates from pages already mapped.
+# Loading a kernel for the first time (CUDA's lazy module loading) waits for the device, and so
+# does mapping fresh pages: either would drain the side stream's queue. Run everything once
+# first, so that the measured pass launches loaded kernels on pages already mapped.
 for s_ in (main, side):
     with torch.cuda.stream(s_):
-        warm = [torch.empty(n, device="cuda"), busy_work()]
+        warm = torch.empty(n, device="cuda")
+        torch.cuda._sleep(1000)
+        warm.fill_(1.0)
         torch.cuda.synchronize()
         del warm
 with torch.cuda.stream(main):
@@ -127,11 +124,11 @@ with torch.cuda.stream(main):
     x_ptr = x.data_ptr()
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        # Keep the side stream busy for a while with real work (a chain of matrix products),
-        # then use x there.
-        a = busy_work()
-        x.fill_(1.0)
-        x.add_(a[0, 0] * 0)                # x is used on the side stream after that
+        # Keep the side stream busy for about half a second with a spin kernel, which
+        # allocates nothing (allocating there could make gpumem wait for the side stream's
+        # queued work, draining it), then use x there.
+        torch.cuda._sleep(1_000_000_000)
+        x.fill_(1.0)                       # x is used on the side stream after that
     side_busy = not side.query()
     if RECORD:
         x.record_stream(side)
