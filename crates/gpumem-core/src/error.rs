@@ -193,6 +193,12 @@ pub enum AllocError {
     /// The device (driver or simulation) refused a call.
     #[error("device error: {0}")]
     Backend(#[from] BackendError),
+    /// The one stream handle gpumem reserves (`u64::MAX`, -1 as a signed integer).
+    #[error("stream handle {stream:#x} is reserved (-1 is not a stream)")]
+    ReservedStream {
+        /// The handle given.
+        stream: u64,
+    },
     /// More distinct streams than the allocator's stream table holds.
     #[error("too many streams: gpumem keeps at most {limit} streams per device")]
     TooManyStreams {

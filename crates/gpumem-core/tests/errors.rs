@@ -235,6 +235,13 @@ fn free_on_a_stream_finds_the_block_or_says_why_not() {
             a.free_on(0xdead_beef, 0x300),
             Err(AllocError::UnknownPointer { ptr: 0xdead_beef })
         ));
+        // The reserved handle (-1) is named as such, not as a full stream table.
+        match a.allocate(4096, u64::MAX) {
+            Err(e @ AllocError::ReservedStream { stream: u64::MAX }) => {
+                assert!(e.to_string().contains("-1 is not a stream"), "{e}")
+            }
+            other => panic!("{p:?}: stream -1 gave {other:?}"),
+        }
         // z is still live and accounted; freeing it by pointer on its stream works.
         let st = a.memory_stats();
         assert_eq!(st.allocated_bytes.all.current as u64, z.size, "{p:?}");

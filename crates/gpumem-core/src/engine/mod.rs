@@ -157,7 +157,11 @@ impl Allocator {
                 }),
             })
             .map(|(i, s)| (i as u32, s))
-            .ok_or(AllocError::TooManyStreams { limit: MAX_STREAMS })
+            .ok_or(if stream == u64::MAX {
+                AllocError::ReservedStream { stream }
+            } else {
+                AllocError::TooManyStreams { limit: MAX_STREAMS }
+            })
     }
 
     /// Allocates `size` bytes for use on `stream`.

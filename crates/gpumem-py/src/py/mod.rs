@@ -59,7 +59,9 @@ pub(crate) fn to_pyerr(e: AllocError) -> PyErr {
         AllocError::DoubleFree { .. } => DoubleFreeError::new_err(msg),
         AllocError::Backend(b) if b.out_of_memory => OutOfMemoryError::new_err(msg),
         AllocError::Config(_) => PyValueError::new_err(msg),
-        AllocError::Backend(_) | AllocError::TooManyStreams { .. } => GpumemError::new_err(msg),
+        AllocError::Backend(_)
+        | AllocError::TooManyStreams { .. }
+        | AllocError::ReservedStream { .. } => GpumemError::new_err(msg),
     }
 }
 
