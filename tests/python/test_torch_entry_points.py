@@ -92,27 +92,40 @@ outcomes = [
     # Still serving.
     _native.torch_free(_native.torch_alloc(4096, dev, 0), dev, 0),
 ]
+# A live block freed naming another device, with and without an allocator there: freed where
+# it lives (not leaked), and reported once.
+q, r_ = _native.torch_alloc(8192, dev, 0), _native.torch_alloc(8192, dev, 0)
+_native.torch_alloc(512, 5, 0)
+outcomes += [_native.torch_free(q, 5, 0), _native.torch_free(r_, 7, 0)]
+outcomes.append(gpumem.torch.memory_allocated(dev))
 print(json.dumps({"ptr": p, "outcomes": outcomes, "counts": gpumem.torch.error_counts()}))
 """
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["outcomes"] == ["freed", "double_free", "foreign", "foreign", False, "freed"]
+    assert out["outcomes"] == [
+        "freed", "double_free", "foreign", "foreign", False, "freed", "freed", "freed", 0
+    ]
     assert out["counts"] == {
         "foreign_frees": 2,
         "double_frees": 1,
         "free_errors": 0,
         "record_stream_foreign": 1,
         "other_errors": 0,
+        "wrong_device_frees": 2,
     }
     # One line for the double free and one for the first foreign free; the second foreign free
     # is only counted, and record_stream on foreign memory is ignored silently (as PyTorch
     # ignores it).
     later = " (later occurrences are only counted: gpumem.torch.error_counts())"
-    assert r.stderr.splitlines() == [
+    lines = r.stderr.splitlines()
+    assert lines[:2] == [
         f"gpumem: warning: double free of {out['ptr']:#x} on device 3" + later,
         "gpumem: warning: free of 0xbad0000, which gpumem did not allocate on device 3" + later,
     ], r.stderr
+    assert len(lines) == 3 and lines[2].endswith(
+        "named device 5, but gpumem allocated it on device 3: freed there" + later
+    ), r.stderr
 
 
 def test_record_stream_keeps_the_block_until_the_other_stream_is_done():

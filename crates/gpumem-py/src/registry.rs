@@ -79,8 +79,10 @@ pub struct Counters {
     pub record_stream_foreign: AtomicU64,
     /// Other failures of `record_stream` and `empty_cache`.
     pub other_errors: AtomicU64,
+    /// Frees naming another device than the one the block came from (freed there).
+    pub wrong_device_frees: AtomicU64,
     /// Whether each kind of report (indexed by the `WARN_*` constants) was printed already.
-    warned: [AtomicBool; 4],
+    warned: [AtomicBool; 5],
 }
 
 /// Writes a line to stderr, ignoring a failure to write (`eprintln!` panics when stderr is a
@@ -95,6 +97,7 @@ const WARN_FOREIGN: usize = 0;
 const WARN_DOUBLE_FREE: usize = 1;
 const WARN_FREE_ERROR: usize = 2;
 const WARN_OTHER: usize = 3;
+const WARN_WRONG_DEVICE: usize = 4;
 
 impl Counters {
     /// Counts one event in `counter`; prints `message` the first time a `kind` is reported.
@@ -120,6 +123,10 @@ impl Counters {
                 self.record_stream_foreign.load(Ordering::Relaxed),
             ),
             ("other_errors", self.other_errors.load(Ordering::Relaxed)),
+            (
+                "wrong_device_frees",
+                self.wrong_device_frees.load(Ordering::Relaxed),
+            ),
         ]
     }
 }
@@ -408,6 +415,9 @@ impl Registry {
                     } else {
                         EventMode::Immediate
                     },
+                    // Addresses unique across the simulated devices, as CUDA's unified addressing
+                    // makes them across real ones (a free naming the wrong device is found).
+                    address_base: SimConfig::default().address_base + ((device as u64) << 44),
                     ..SimConfig::default()
                 });
                 (Box::new(b), Some(ctl))
@@ -453,6 +463,9 @@ impl Registry {
         }
         let c = &self.counters;
         let Some(slot) = usize::try_from(device).ok().and_then(|d| self.get(d)) else {
+            if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
+                return outcome;
+            }
             c.count(WARN_FOREIGN, &c.foreign_frees, || {
                 format!("free of {ptr:#x} on device {device}, where gpumem allocated nothing")
             });
@@ -461,6 +474,9 @@ impl Registry {
         match slot.alloc.free_on(ptr, stream) {
             Ok(()) => FreeOutcome::Freed,
             Err(AllocError::UnknownPointer { .. }) => {
+                if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
+                    return outcome;
+                }
                 c.count(WARN_FOREIGN, &c.foreign_frees, || {
                     format!("free of {ptr:#x}, which gpumem did not allocate on device {device}")
                 });
@@ -479,6 +495,39 @@ impl Registry {
                 FreeOutcome::Failed
             }
         }
+    }
+
+    /// A free that named `device` for a live block of another device (PyTorch names the right
+    /// one; a hand-written caller may not): freed where it lives, reported once, rather than
+    /// leaked. `None` if no other device has it live.
+    fn free_on_another_device(
+        &self,
+        ptr: DevPtr,
+        device: i32,
+        stream: Stream,
+    ) -> Option<FreeOutcome> {
+        let c = &self.counters;
+        for d in self.devices() {
+            if usize::try_from(device).ok() == Some(d) {
+                continue;
+            }
+            let slot = self.get(d)?;
+            match slot.alloc.free_on(ptr, stream) {
+                Err(AllocError::UnknownPointer { .. } | AllocError::DoubleFree { .. }) => continue,
+                r => {
+                    c.count(WARN_WRONG_DEVICE, &c.wrong_device_frees, || {
+                        format!(
+                            "free of {ptr:#x} named device {device}, but gpumem allocated it on device {d}: freed there"
+                        )
+                    });
+                    return Some(match r {
+                        Ok(()) => FreeOutcome::Freed,
+                        Err(_) => FreeOutcome::Failed,
+                    });
+                }
+            }
+        }
+        None
     }
 
     /// `Tensor.record_stream`: the block at `ptr` is used on `stream` too, so it is reused only

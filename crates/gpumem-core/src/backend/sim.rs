@@ -44,6 +44,9 @@ pub struct SimConfig {
     /// queries (which physical page backs which address), and the stream waits, which
     /// [`SimControl::take_waits`] returns.
     pub audit: bool,
+    /// First virtual address handed out. Simulated devices of one process get bases far
+    /// apart, so that, as under CUDA's unified addressing, no address belongs to two devices.
+    pub address_base: u64,
 }
 
 impl Default for SimConfig {
@@ -57,6 +60,9 @@ impl Default for SimConfig {
             event_mode: EventMode::Immediate,
             segment_addresses: Default::default(),
             audit: false,
+            // Far from zero (a small pointer is never valid) and below the addresses the
+            // CUDA driver hands out on Linux (0x7f..), which hints may reuse.
+            address_base: 0x1000_0000_0000,
         }
     }
 }
@@ -146,6 +152,7 @@ pub struct SimBackend {
 impl SimBackend {
     /// A simulated device and the control handle of its events.
     pub fn new(cfg: SimConfig) -> (Self, SimControl) {
+        let base = cfg.address_base;
         let events = Arc::new(Mutex::new(EventState::default()));
         let mirror = cfg.audit.then(|| Arc::new(Mutex::new(BTreeMap::new())));
         let ctl = SimControl {
@@ -157,9 +164,7 @@ impl SimBackend {
             Self {
                 cfg,
                 held: 0,
-                // Far from zero (a small pointer is never valid) and below the addresses the
-                // CUDA driver hands out on Linux (0x7f..), which hints may reuse.
-                next_va: 0x1000_0000_0000,
+                next_va: base,
                 segments: FxHashMap::default(),
                 reservations: BTreeMap::new(),
                 handles: FxHashMap::default(),

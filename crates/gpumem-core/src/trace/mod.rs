@@ -155,7 +155,8 @@ impl Trace {
         let mut w = Vec::new();
         if self.meta.skipped_entries > 0 {
             w.push(format!(
-                "{} entries have an action gpumem does not replay (such as oom or snapshot) or                  none; they were left out",
+                "{} entries have an action gpumem does not replay (such as oom or snapshot) or none; \
+                 they were left out",
                 self.meta.skipped_entries
             ));
         }
