@@ -513,7 +513,13 @@ impl Registry {
             }
             let slot = self.get(d)?;
             match slot.alloc.free_on(ptr, stream) {
-                Err(AllocError::UnknownPointer { .. } | AllocError::DoubleFree { .. }) => continue,
+                Err(AllocError::UnknownPointer { .. }) => continue,
+                Err(AllocError::DoubleFree { .. }) => {
+                    c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
+                        format!("double free of {ptr:#x} (allocated on device {d})")
+                    });
+                    return Some(FreeOutcome::DoubleFree);
+                }
                 r => {
                     c.count(WARN_WRONG_DEVICE, &c.wrong_device_frees, || {
                         format!(

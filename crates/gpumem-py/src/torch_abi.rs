@@ -264,16 +264,20 @@ mod tests {
         let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         gpumem_torch_free(0x1234_5000 as *mut c_void, 16, 0, std::ptr::null_mut());
         assert_eq!(count(&global().counters.foreign_frees), 1);
-        // A live block freed with a device index that is not one: refused, and still live.
+        // A live block freed naming a device index that is not one: freed where it lives
+        // (addresses are unique across devices), not leaked; freeing it again is a double
+        // free, whichever device is named.
         let q = gpumem_torch_alloc(MIB as usize, 0, std::ptr::null_mut());
-        gpumem_torch_free(q, MIB as usize, -3, std::ptr::null_mut());
-        gpumem_torch_free(q, MIB as usize, 64, std::ptr::null_mut());
         assert_eq!(
             global().memory_stats(0).allocated_bytes.all.current,
             MIB as i64
         );
-        gpumem_torch_free(q, MIB as usize, 0, std::ptr::null_mut());
+        gpumem_torch_free(q, MIB as usize, -3, std::ptr::null_mut());
         assert_eq!(global().memory_stats(0).allocated_bytes.all.current, 0);
+        assert_eq!(count(&global().counters.wrong_device_frees), 1);
+        gpumem_torch_free(q, MIB as usize, 64, std::ptr::null_mut());
+        assert_eq!(count(&global().counters.double_frees), 1);
+        assert_eq!(count(&global().counters.foreign_frees), 1);
         // record_stream on null and on a freed pointer: nothing happens, nothing is fatal.
         gpumem_torch_record_stream(std::ptr::null_mut(), 0x40 as *mut c_void);
         gpumem_torch_record_stream(q, 0x40 as *mut c_void);
