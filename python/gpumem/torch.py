@@ -62,6 +62,7 @@ __all__ = [
     "empty_cache",
     "set_memory_fraction",
     "error_counts",
+    "driver_calls",
     "devices",
     "oom_exception",
 ]
@@ -421,8 +422,9 @@ def error_counts() -> Dict[str, int]:
     """Misuse the allocator reported on stderr instead of raising (it runs inside PyTorch's
     deleters, where an exception would end the process): ``foreign_frees`` (frees of memory
     gpumem did not allocate), ``double_frees``, ``free_errors``, ``record_stream_foreign``
-    (``record_stream`` on memory that is not gpumem's, ignored as PyTorch ignores it) and
-    ``other_errors``."""
+    (``record_stream`` on memory that is not gpumem's, ignored as PyTorch ignores it),
+    ``other_errors`` and ``wrong_device_frees`` (frees naming another device than the block's,
+    which gpumem frees where the block lives)."""
     return dict(_native.torch_error_counts())
 
 

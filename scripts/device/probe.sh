@@ -14,7 +14,7 @@
 # cupy for the cross-check (skipped where missing). Run from the repository root with $OUT set.
 # Knobs: PROBE_RUNS=N (default 2) tables; PROBE_TABLE_ONLY=1 skips the PTX fallback, tests,
 # intensity, CuPy cross-check and sanitizer.
-# Wall time: estimated at 2 to 3 minutes (not yet timed on the GPU); the sanitizer pass is capped
+# Wall time: 2 to 3 minutes (estimated; the H200 runs of BENCHMARKS §6 did not record it); the sanitizer pass is capped
 # at 100 s (+60 s for a retry without its kernel filter), so at most about 5.
 #
 # A good result on an H200: every correctness check "ok"; HBM copy >= 4,250 GB/s; shared-memory

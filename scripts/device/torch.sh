@@ -16,7 +16,7 @@
 # Good result: pytest ends with "N passed" (test_ddp_gpu skipped: needs 2 GPUs; no failures);
 # the benchmark's first table shows gpumem's held/live <= 1.02 and <= the best of the three
 # PyTorch allocators on every workload ("yes / yes"; serve_threads, four threads on their own
-# streams, is a known miss at 1.05-1.09), the step-time table shows gpumem <= 1.01 (the
+# streams, is a known miss at 1.04-1.09), the step-time table shows gpumem <= 1.01 (the
 # prefetch pipeline is a known miss, see docs/stitched.md), and the max-batch table shows
 # gpumem's largest batch under the cap. Expect about 1 minute of tests and 12-13 minutes of
 # benchmark (2026-12-01: 21 of its 24 runs took 8 minutes; pass BENCH_ARGS="--workloads ..." to

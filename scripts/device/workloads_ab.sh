@@ -8,9 +8,9 @@
 #
 # WORKLOADS: comma-separated (default: all five); ROUNDS: interleaved rounds (default 3); extra
 # arguments go to bench_workloads.py, e.g. `--allocators native,native-again,gpumem,gpumem-s5
-# --variant gpumem-s5=slack:0.05`. The session-3 runs in BENCHMARKS.md §3 were made this way
-# (`prefetch_mlp 3`, `gpt2_varlen 3` with the slack variant, all five with 1 round, and
-# `prefetch_mlp 2`). Everything goes under $OUT; the tables are printed last.
+# --variant gpumem-s5=slack:0.05`. The A/A-controlled runs of sessions 4 to 7 in BENCHMARKS.md §3
+# were made with it (session 3's, the same method, with local wrappers that preceded it).
+# Everything goes under $OUT; the tables are printed last.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/workloads_ab}
