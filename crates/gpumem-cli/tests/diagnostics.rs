@@ -225,8 +225,7 @@ fn monitor_stops_cleanly_on_ctrl_c_and_serves_metrics() {
 
 #[test]
 fn replay_gpu_lag_counts_fewer_host_waits_and_refuses_nonsense() {
-    let t = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../traces/gpt_varlen.pickle.gz");
+    let t = bundled_trace("gpt_varlen.pickle.gz");
     let waits = |extra: &[&str]| {
         let out = gpumem()
             .args(["replay", "-p", "stitched", "--json"])

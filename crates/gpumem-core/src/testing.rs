@@ -15,13 +15,16 @@ pub fn assert_no_leaks(alloc: &Allocator) {
     }
 }
 
+/// The repository's `traces/` folder.
+fn traces_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces")
+}
+
 /// The path of a trace bundled in the repository's `traces/` folder (`rel` is relative to it,
 /// e.g. `validation/mlp.pickle.gz`). Panics if it is missing: the repository always has it.
 #[track_caller]
 pub fn bundled_trace(rel: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../traces")
-        .join(rel);
+    let p = traces_dir().join(rel);
     assert!(p.is_file(), "bundled trace {} is missing", p.display());
     p
 }
@@ -33,7 +36,7 @@ pub fn bundled_snapshots() -> Vec<PathBuf> {
         .iter()
         .map(|r| bundled_trace(r))
         .chain(
-            std::fs::read_dir(bundled_trace("validation/mlp.pickle.gz").parent().unwrap())
+            std::fs::read_dir(traces_dir().join("validation"))
                 .expect("traces/validation")
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.to_string_lossy().ends_with(".pickle.gz")),

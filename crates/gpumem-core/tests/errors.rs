@@ -2,6 +2,7 @@
 //! foreign pointers, double frees, and malformed, truncated or foreign trace files.
 
 use gpumem_core::backend::sim::{SimBackend, SimConfig};
+use gpumem_core::testing::bundled_trace;
 use gpumem_core::trace::{self, Kind};
 use gpumem_core::{AllocError, Allocator, Config, PolicyKind, TraceError};
 use std::io::{Read, Write};
@@ -109,14 +110,12 @@ fn read(bytes: Vec<u8>) -> Result<trace::Trace, TraceError> {
 }
 
 fn bundled_pickle() -> Vec<u8> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../traces/validation/mlp.pickle.gz"
-    );
     let mut raw = Vec::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap())
-        .read_to_end(&mut raw)
-        .unwrap();
+    flate2::read::GzDecoder::new(
+        std::fs::File::open(bundled_trace("validation/mlp.pickle.gz")).unwrap(),
+    )
+    .read_to_end(&mut raw)
+    .unwrap();
     raw
 }
 
@@ -128,11 +127,7 @@ fn truncated_snapshots_are_errors_not_panics() {
     // it): the decompressed bytes read whole give every one of its events, no more, no fewer.
     // (mlp.pickle.gz holds 1467 trace entries: 483 alloc, 480 free_requested, 480
     // free_completed, 24 segment_alloc.)
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../traces/validation/mlp.pickle.gz"
-    );
-    let expected = trace::load(std::path::Path::new(path), 0, None)
+    let expected = trace::load(&bundled_trace("validation/mlp.pickle.gz"), 0, None)
         .unwrap()
         .events
         .len();
@@ -472,15 +467,7 @@ fn what_a_replay_leaves_out_is_said() {
     assert!(w[1].starts_with("1 allocations of 0 bytes"), "{w:?}");
     assert!(w[2].starts_with("1 frees of addresses"), "{w:?}");
     // A bundled trace recorded by PyTorch has nothing to say.
-    let clean = trace::load(
-        std::path::Path::new(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../traces/validation/mlp.pickle.gz"
-        )),
-        0,
-        None,
-    )
-    .unwrap();
+    let clean = trace::load(&bundled_trace("validation/mlp.pickle.gz"), 0, None).unwrap();
     assert!(clean.warnings().is_empty(), "{:?}", clean.warnings());
 }
 
