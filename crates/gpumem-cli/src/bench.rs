@@ -99,11 +99,14 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
     let results = bench::run(&opts, &mut |m| {
         let line = serde_json::to_string(m).expect("a measurement serialises");
         if json {
-            println!("{line}");
+            out_println!("{line}");
         } else {
-            eprintln!(
+            err_println!(
                 "  {:<28} threads {} {:<20} {:>10.1} ns/op",
-                m.case, m.threads, m.allocator, m.ns_per_op
+                m.case,
+                m.threads,
+                m.allocator,
+                m.ns_per_op
             );
         }
         if let Some(f) = out_file.as_mut() {
@@ -116,7 +119,7 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
         return Err(format!("cannot write the JSON lines: {e}"));
     }
     if !json {
-        print!("{}", report::render(&results));
+        out_print!("{}", report::render(&results));
     }
     Ok(())
 }

@@ -3,6 +3,9 @@
 //!
 //! Each subcommand lives in its own module; this file only dispatches.
 
+#[macro_use]
+mod out;
+
 mod bench;
 mod monitor;
 mod probe;
@@ -55,7 +58,7 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("gpumem: {e}");
+            err_println!("gpumem: {e}");
             ExitCode::FAILURE
         }
     }

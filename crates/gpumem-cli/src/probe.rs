@@ -55,7 +55,7 @@ fn progress_printer(quiet: bool) -> impl FnMut(&str) {
     let t0 = Instant::now();
     move |msg: &str| {
         if !quiet {
-            eprintln!("[{:6.1}s] {msg}", t0.elapsed().as_secs_f64());
+            err_println!("[{:6.1}s] {msg}", t0.elapsed().as_secs_f64());
         }
     }
 }
@@ -82,16 +82,22 @@ pub fn run_probe(a: ProbeArgs) -> Result<(), String> {
     if let Some(s) = a.seed {
         opts.seed = s;
     }
+    opts.validate().map_err(|e| e.to_string())?;
+    if let Some(path) = &a.save {
+        crate::replay::check_writable(path, "--save")?;
+    }
     let mut progress = progress_printer(a.quiet);
     let report = gpumem_probe::run(&opts, &mut progress).map_err(|e| e.to_string())?;
     let json = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    if let Some(path) = &a.save {
-        std::fs::write(path, &json).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    }
+    // The report first: a file that cannot be written must not cost the measurements.
     if a.json {
-        println!("{json}");
+        out_println!("{json}");
     } else {
-        print!("{}", render::probe_table(&report));
+        out_print!("{}", render::probe_table(&report));
+    }
+    if let Some(path) = &a.save {
+        std::fs::write(path, &json)
+            .map_err(|e| format!("--save: cannot write {}: {e}", path.display()))?;
     }
     if !report.complete_and_correct() {
         return Err(format!(
@@ -101,7 +107,7 @@ pub fn run_probe(a: ProbeArgs) -> Result<(), String> {
         ));
     }
     if a.strict && !report.all_targets_met() {
-        eprint!("{}", render::targets_summary(&report));
+        err_print!("{}", render::targets_summary(&report));
         std::process::exit(2);
     }
     Ok(())
@@ -233,7 +239,7 @@ fn workload(a: &IntensityArgs) -> Result<Workload, String> {
                 .elements
                 .filter(|&e| e > 0)
                 .ok_or("--kind elementwise needs --elements N (positive)")?;
-            if a.inputs + a.outputs == 0 {
+            if a.inputs == 0 && a.outputs == 0 {
                 return Err("an element-wise kernel needs at least one input or output".into());
             }
             Ok(Workload::Elementwise {
@@ -310,12 +316,12 @@ pub fn run_intensity(a: IntensityArgs) -> Result<(), String> {
     let p = peaks(&a)?;
     let analysis = intensity::analyze(&w, &p)?;
     if a.json {
-        println!(
+        out_println!(
             "{}",
             serde_json::to_string_pretty(&analysis).map_err(|e| e.to_string())?
         );
     } else {
-        print!("{}", intensity::table(&analysis));
+        out_print!("{}", intensity::table(&analysis));
     }
     Ok(())
 }

@@ -124,15 +124,66 @@ fn load(path: &Path, device: u32, quiet: bool) -> Result<trace::Trace, String> {
     let t = with_read_progress(path, quiet, |p| trace::load(path, device, p))?
         .map_err(|e| e.to_string())?;
     for w in t.warnings() {
-        eprintln!("gpumem: warning: {}: {w}", path.display());
+        err_println!("gpumem: warning: {}: {w}", path.display());
     }
     Ok(t)
 }
 
+/// The flags that only the simulated device honours, by name, when given.
+fn sim_only_flags(a: &ReplayArgs) -> Vec<&'static str> {
+    [
+        ("--plot", a.plot.is_some()),
+        ("--snapshot", a.snapshot.is_some()),
+        ("--device-memory", a.device_memory.is_some()),
+        ("--gpu-lag-ms", a.gpu_lag_ms.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(name, given)| given.then_some(name))
+    .collect()
+}
+
+/// Fails now, before any long work, if `path` cannot be written; leaves nothing behind.
+pub(crate) fn check_writable(path: &Path, flag: &str) -> Result<(), String> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|e| format!("{flag} {}: cannot write there: {e}", path.display()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
 pub fn run(a: ReplayArgs) -> Result<(), String> {
+    if a.device == Target::Cuda {
+        let ignored = sim_only_flags(&a);
+        if !ignored.is_empty() {
+            return Err(format!(
+                "{} appl{} to the simulated device only (--device sim); a replay on the GPU \
+                 uses the real device's memory and timing",
+                ignored.join(", "),
+                if ignored.len() == 1 { "ies" } else { "y" }
+            ));
+        }
+    }
+    if let Some(p) = &a.plot {
+        check_writable(p, "--plot")?;
+    }
+    if let Some(p) = &a.snapshot {
+        check_writable(p, "--snapshot")?;
+    }
     let trace = load(&a.trace, a.device_index, a.json)?;
     if a.device == Target::Cuda {
-        return gpumem_cuda::replay::run_cli(&trace, &a.policies, &a.conf, a.json);
+        return gpumem_cuda::replay::run_cli(
+            &trace,
+            &a.policies,
+            &a.conf,
+            a.json,
+            &mut |s| crate::out::print(s),
+            &mut |s| crate::out::eprintln(s),
+        );
     }
     let policies = if a.policies.is_empty() {
         PolicyKind::ALL.to_vec()
@@ -188,31 +239,43 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
             Err(e) => return Err(format!("replay under {} failed: {e}", p.name())),
         }
     }
-    if let (Some(path), Some(result)) = (&a.snapshot, snapshot_result) {
-        let r = result.lock().map_err(|e| e.to_string())?.take();
-        r.unwrap_or_else(|| Err("the replay ended before the snapshot was taken".into()))?;
-        if !a.json {
-            eprintln!("snapshot written to {}", path.display());
-        }
-    }
-    if let Some(path) = &a.plot {
-        let html = gpumem_core::report::plot::timeline_html(&a.trace.display().to_string(), &ok)?;
-        std::fs::write(path, html).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-        if !a.json {
-            eprintln!("timeline written to {}", path.display());
-        }
-    }
+    // The results first: a file that cannot be written must not cost the replay's figures.
     if a.json {
         for r in &ok {
-            println!("{}", serde_json::to_string(r).map_err(|e| e.to_string())?);
+            out_println!("{}", serde_json::to_string(r).map_err(|e| e.to_string())?);
         }
     } else {
-        print!(
+        out_print!(
             "{}",
             replay_table::render(&a.trace.display().to_string(), trace.events.len(), &ok)
         );
     }
-    Ok(())
+    let mut file_errors = Vec::new();
+    if let (Some(path), Some(result)) = (&a.snapshot, snapshot_result) {
+        let r = result.lock().map_err(|e| e.to_string())?.take();
+        match r.unwrap_or_else(|| Err("the replay ended before the snapshot was taken".into())) {
+            Ok(()) if !a.json => err_println!("snapshot written to {}", path.display()),
+            Ok(()) => {}
+            Err(e) => file_errors.push(format!("--snapshot: {e}")),
+        }
+    }
+    if let Some(path) = &a.plot {
+        let written = gpumem_core::report::plot::timeline_html(&a.trace.display().to_string(), &ok)
+            .and_then(|html| {
+                std::fs::write(path, html)
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))
+            });
+        match written {
+            Ok(()) if !a.json => err_println!("timeline written to {}", path.display()),
+            Ok(()) => {}
+            Err(e) => file_errors.push(format!("--plot: {e}")),
+        }
+    }
+    if file_errors.is_empty() {
+        Ok(())
+    } else {
+        Err(file_errors.join("; "))
+    }
 }
 
 pub fn convert(a: ConvertArgs) -> Result<(), String> {
@@ -229,7 +292,7 @@ pub fn convert(a: ConvertArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot write {}: {e}", a.output.display()))?;
     w.flush().map_err(|e| e.to_string())?;
     drop(w);
-    eprintln!(
+    err_println!(
         "{} events written to {}",
         t.events.len(),
         a.output.display()

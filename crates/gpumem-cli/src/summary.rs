@@ -47,7 +47,7 @@ pub fn run(a: SummaryArgs) -> Result<(), String> {
                 j["replay_error"] = e.clone().into();
             }
         }
-        println!("{j}");
+        out_println!("{j}");
     } else {
         let opts = SummaryOptions {
             title: format!(
@@ -62,11 +62,12 @@ pub fn run(a: SummaryArgs) -> Result<(), String> {
             current_only: r.current_only.clone(),
             notes: r.notes.clone(),
         };
-        print!("{}", render_summary(&r.stats, &opts));
+        out_print!("{}", render_summary(&r.stats, &opts));
         if let Some(Ok(())) = &check {
-            println!(
+            out_println!(
                 "check: the {} history entries replay backwards from the {} segments",
-                r.history_events, r.segments
+                r.history_events,
+                r.segments
             );
         }
     }

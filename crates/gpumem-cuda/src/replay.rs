@@ -89,12 +89,16 @@ fn rel(a: u64, b: u64) -> f64 {
     }
 }
 
-/// Replays `trace` on the first CUDA device under each policy and prints the results.
+/// Replays `trace` on the first CUDA device under each policy and writes the results through
+/// `out` (the table, or one JSON line per policy) and the progress through `note` (the caller
+/// decides what a closed pipe means).
 pub fn run_cli(
     trace: &Trace,
     policies: &[PolicyKind],
     conf: &str,
     json: bool,
+    out: &mut dyn FnMut(&str),
+    note: &mut dyn FnMut(&str),
 ) -> Result<(), String> {
     let policies = if policies.is_empty() {
         PolicyKind::ALL.to_vec()
@@ -104,34 +108,37 @@ pub fn run_cli(
     let config = Config::parse(conf).map_err(|e| e.to_string())?;
     let gpu = GpuReplay::open(trace)?;
     if !json {
-        eprintln!(
+        note(&format!(
             "replaying {} events ({} streams) on {} under {} polic{}",
             trace.events.len(),
             gpu.stream_ids.len(),
             gpu.name,
             policies.len(),
             if policies.len() == 1 { "y" } else { "ies" }
-        );
+        ));
     }
     let mut results = Vec::new();
     for &p in &policies {
         let r = gpu.run(trace, p, &config, !json)?;
         if json {
-            println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+            out(&format!(
+                "{}\n",
+                serde_json::to_string(&r).map_err(|e| e.to_string())?
+            ));
         } else {
-            eprintln!(
+            note(&format!(
                 "  {}: GPU peak held {}, physical {}, simulated {} ({:.1} s)",
                 r.policy,
                 format_size(r.gpu_peak_held_bytes),
                 format_size(r.physical_peak_bytes),
                 format_size(r.sim_peak_held_bytes),
                 r.gpu_seconds
-            );
+            ));
         }
         results.push(r);
     }
     if !json {
-        print!("{}", render(&trace.meta.source, &results));
+        out(&render(&trace.meta.source, &results));
     }
     let leaks: Vec<String> = results
         .iter()

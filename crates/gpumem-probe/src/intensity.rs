@@ -99,7 +99,7 @@ impl Workload {
                 outputs,
                 dtype,
                 ..
-            } => elements as f64 * f64::from(inputs + outputs) * dtype.bytes() as f64,
+            } => elements as f64 * (f64::from(inputs) + f64::from(outputs)) * dtype.bytes() as f64,
         }
     }
 
@@ -474,6 +474,20 @@ mod tests {
         assert_eq!(a.unit, Unit::Fp32);
         // Ridge on the fp32 units: 67e12 / 4253e9 = 15.75 FLOP/B.
         assert!(close(a.ridge, 15.753_586, 1e-6), "{}", a.ridge);
+    }
+
+    /// Input and output counts near u32::MAX add up in floating point, not in a wrapping u32.
+    #[test]
+    fn huge_array_counts_do_not_wrap() {
+        let w = Workload::Elementwise {
+            elements: 1024,
+            inputs: u32::MAX,
+            outputs: 1,
+            flops_per_element: 1.0,
+            dtype: Dtype::Fp32,
+        };
+        assert_eq!(w.bytes(), 1024.0 * 4_294_967_296.0 * 4.0);
+        w.validate().unwrap();
     }
 
     #[test]

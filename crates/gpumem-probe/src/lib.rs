@@ -42,6 +42,10 @@ use std::time::Instant;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
+/// Most timed runs per measurement (beyond it the run takes hours and says nothing new).
+const MAX_RUNS: usize = 10_000;
+/// Largest buffer any measurement may ask for: above every GPU made, and far from overflow.
+const MAX_BUFFER: u64 = 1 << 40;
 
 /// What to measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -103,15 +107,18 @@ impl ProbeOptions {
     /// Rejects options that cannot give a meaningful measurement.
     pub fn validate(&self) -> Result<(), ProbeError> {
         let bad = |m: String| Err(ProbeError::Options(m));
-        if self.runs < 10 {
+        if !(10..=MAX_RUNS).contains(&self.runs) {
             return bad(format!(
-                "runs must be at least 10 (median of >= 10), not {}",
+                "runs must be between 10 (median of >= 10) and {MAX_RUNS}, not {}",
                 self.runs
             ));
         }
-        if self.hbm_bytes < 64 * MIB || self.hbm_bytes % (16 * 1024) != 0 {
+        if self.hbm_bytes < 64 * MIB
+            || self.hbm_bytes > MAX_BUFFER
+            || self.hbm_bytes % (16 * 1024) != 0
+        {
             return bad(format!(
-                "the HBM buffer must be a multiple of 16 KiB and at least 64 MiB, not {}",
+                "the HBM buffer must be a multiple of 16 KiB between 64 MiB and 1 TiB, not {}",
                 self.hbm_bytes
             ));
         }
@@ -121,11 +128,21 @@ impl ProbeOptions {
         if self.l2_chase_bytes < MIB {
             return bad("the L2 chase set must be at least 1 MiB".into());
         }
-        if self.hbm_chase_bytes > 16 * GIB {
-            return bad("the HBM chase set is limited to 16 GiB (32-bit word indices)".into());
+        if self.hbm_chase_bytes >= 16 * GIB {
+            return bad(
+                "the HBM chase set must be below 16 GiB (its 4-byte words are indexed by u32)"
+                    .into(),
+            );
         }
-        if self.elementwise_elements == 0 || self.elementwise_elements % 1024 != 0 {
-            return bad("element-wise elements must be a positive multiple of 1024".into());
+        if self.elementwise_elements == 0
+            || self.elementwise_elements % 1024 != 0
+            || self.elementwise_elements > MAX_BUFFER / 4
+        {
+            return bad(format!(
+                "element-wise elements must be a positive multiple of 1024 of at most 2^38 \
+                 (1 TiB of floats per array), not {}",
+                self.elementwise_elements
+            ));
         }
         Ok(())
     }
@@ -148,7 +165,8 @@ pub fn run(opts: &ProbeOptions, progress: &mut dyn FnMut(&str)) -> Result<ProbeR
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
             Err(ProbeError::Internal(format!(
-                "the CUDA bindings panicked: {msg}"
+                "the probe stopped on an internal error (a panic, in gpumem or in the CUDA \
+                 bindings): {msg}"
             )))
         }
     }
@@ -170,7 +188,7 @@ fn run_inner(
         .ctx
         .mem_get_info()
         .map_err(|e| ProbeError::driver("cuMemGetInfo", e))?;
-    let need = 2 * opts.hbm_bytes + 4 * capacity.l2_bytes;
+    let need = (2 * opts.hbm_bytes).saturating_add(capacity.l2_bytes.saturating_mul(4));
     if (free as u64) < need {
         return Err(ProbeError::Options(format!(
             "the device has {} free, the HBM measurement needs {}: lower --hbm-size",
@@ -480,11 +498,7 @@ mod tests {
             runs: 3,
             ..Default::default()
         };
-        assert!(o
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("at least 10"));
+        assert!(o.validate().unwrap_err().to_string().contains("between 10"));
         let o = ProbeOptions {
             elementwise_elements: 1000,
             ..Default::default()
@@ -496,9 +510,62 @@ mod tests {
         };
         let e = o.validate().unwrap_err().to_string();
         assert!(
-            e.contains("HBM buffer") && e.contains("at least 64 MiB") && e.contains("1048576"),
+            e.contains("HBM buffer") && e.contains("between 64 MiB") && e.contains("1048576"),
             "{e}"
         );
+    }
+
+    /// Sizes that would overflow the arithmetic or could never be measured are refused before
+    /// any work, with the range that would do.
+    #[test]
+    fn absurd_options_are_rejected_before_any_work() {
+        let cases: [(ProbeOptions, &str); 4] = [
+            (
+                ProbeOptions {
+                    hbm_bytes: 1 << 62,
+                    ..Default::default()
+                },
+                "between 64 MiB and 1 TiB",
+            ),
+            (
+                ProbeOptions {
+                    runs: usize::MAX,
+                    ..Default::default()
+                },
+                "between 10",
+            ),
+            (
+                ProbeOptions {
+                    elementwise_elements: 1 << 50,
+                    ..Default::default()
+                },
+                "at most 2^38",
+            ),
+            (
+                ProbeOptions {
+                    hbm_chase_bytes: 16 * GIB,
+                    ..Default::default()
+                },
+                "below 16 GiB",
+            ),
+        ];
+        for (o, want) in cases {
+            let e = o.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+            // `run` validates first: it fails the same way with or without a driver.
+            let e = run(&o, &mut |_| {}).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        // The largest accepted values are still accepted.
+        ProbeOptions {
+            hbm_bytes: MAX_BUFFER,
+            runs: MAX_RUNS,
+            elementwise_elements: MAX_BUFFER / 4,
+            hbm_chase_bytes: 16 * GIB - 4096,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap();
     }
 
     /// Without a driver (CI), `run` must fail with NoDriver, not panic. With one, the whole

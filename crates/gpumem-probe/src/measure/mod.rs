@@ -13,6 +13,14 @@ use cudarc::driver::{CudaSlice, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use crate::error::{DriverContext, ProbeError};
 
+/// Plain numbers for which every bit pattern is a valid value, so device memory holding them
+/// may be handed out uninitialised (see [`Session::alloc`]).
+pub(crate) trait AnyBitPattern: Copy {}
+impl AnyBitPattern for u8 {}
+impl AnyBitPattern for f32 {}
+impl AnyBitPattern for u32 {}
+impl AnyBitPattern for u64 {}
+
 /// What every measurement needs: the device, the options, somewhere to say what it is doing,
 /// and the list of failed correctness checks.
 pub(crate) struct Session<'a> {
@@ -96,14 +104,19 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Allocates `n` elements of device memory, saying how much in the error.
-    pub fn alloc<T: cudarc::driver::DeviceRepr>(
+    /// Allocates `n` elements of device memory, saying how much in the error. The contents are
+    /// left as the driver hands them out.
+    pub fn alloc<T: cudarc::driver::DeviceRepr + AnyBitPattern>(
         &self,
         n: usize,
         what: &str,
     ) -> Result<CudaSlice<T>, ProbeError> {
-        // SAFETY: the memory is uninitialised; every caller writes it (an upload, a build kernel
-        // or a poison fill) before any kernel reads it.
+        // SAFETY: the memory is uninitialised, and some callers let kernels read or write it
+        // only in part (timed copies into a destination never read back, result buffers a
+        // kernel fills). That is sound because `T: AnyBitPattern`: any bytes in the buffer are a
+        // valid `T`, so a kernel or a copy back to the host that meets unwritten memory sees an
+        // arbitrary value, never an invalid one. Every value a correctness check compares was
+        // written by a kernel or an upload first.
         unsafe { self.gpu.stream.alloc::<T>(n) }.ctx(&format!(
             "allocate {} for {what}",
             crate::render::fmt_bytes((n * std::mem::size_of::<T>()) as u64)

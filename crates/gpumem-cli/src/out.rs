@@ -1,0 +1,57 @@
+//! Writing to stdout and stderr without panicking.
+//!
+//! `println!` panics when stdout is a closed pipe (`gpumem replay ... | head -1`), and
+//! `eprintln!` does the same on stderr. Every line the CLI prints goes through here instead: a
+//! reader that has gone away ends the command quietly with status 0, as `cat` or `grep` would
+//! (by SIGPIPE), and a lost diagnostic on a closed stderr is dropped rather than fatal.
+
+use std::io::{ErrorKind, Write};
+
+/// Writes `text` to stdout and flushes it. When stdout is a closed pipe the reader has all it
+/// wanted, so the process ends here with status 0; any other write error ends it with status 1
+/// and a message on stderr.
+pub fn print(text: &str) {
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() == ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprint(&format!("gpumem: cannot write to stdout: {e}\n"));
+        std::process::exit(1);
+    }
+}
+
+/// [`print`] with a newline.
+pub fn println(line: &str) {
+    print(&format!("{line}\n"));
+}
+
+/// Writes `text` to stderr; a failure is ignored (there is nowhere left to report it).
+pub fn eprint(text: &str) {
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
+/// [`eprint`] with a newline.
+pub fn eprintln(line: &str) {
+    eprint(&format!("{line}\n"));
+}
+
+/// `print!` through [`print`].
+macro_rules! out_print {
+    ($($arg:tt)*) => { $crate::out::print(&format!($($arg)*)) };
+}
+
+/// `println!` through [`println`].
+macro_rules! out_println {
+    ($($arg:tt)*) => { $crate::out::println(&format!($($arg)*)) };
+}
+
+/// `eprint!` through [`eprint`].
+macro_rules! err_print {
+    ($($arg:tt)*) => { $crate::out::eprint(&format!($($arg)*)) };
+}
+
+/// `eprintln!` through [`eprintln`].
+macro_rules! err_println {
+    ($($arg:tt)*) => { $crate::out::eprintln(&format!($($arg)*)) };
+}
