@@ -129,7 +129,19 @@ impl Config {
                         )))
                     }
                 },
-                "cap" => c.cap = Some(Amount::parse(k, v)?),
+                "cap" => match Amount::parse(k, v)? {
+                    Amount::Bytes(0) => {
+                        return Err(AllocError::Config(format!(
+                            "cap:{v}: a cap of nothing would refuse every allocation"
+                        )))
+                    }
+                    Amount::Fraction(f) if f <= 0.0 => {
+                        return Err(AllocError::Config(format!(
+                            "cap:{v}: a cap of nothing would refuse every allocation"
+                        )))
+                    }
+                    a => c.cap = Some(a),
+                },
                 "slack" => {
                     c.options.slack = v
                         .parse::<f64>()
@@ -275,6 +287,9 @@ mod tests {
             ("colour:blue", "unknown key 'colour'"),
             ("slack:-1", "slack"),
             ("stream_pages:mine", "expected shared or own"),
+            ("cap:0", "a cap of nothing"),
+            ("cap:0.0", "a cap of nothing"),
+            ("cap:0GiB", "a cap of nothing"),
         ] {
             let e = Config::parse(bad).unwrap_err().to_string();
             assert!(e.contains(needle), "{bad}: {e}");

@@ -315,11 +315,14 @@ impl DeviceState {
             let ptr = self.call(DriverCall::MemAlloc, bytes, 0, |b| b.mem_alloc(bytes))?;
             self.reserve.segment = Some((ptr, bytes));
             self.reserve.free_ranges.insert(ptr, bytes);
+            self.stats.num_device_alloc += 1;
         } else {
             let page = self.page();
             for _ in 0..bytes / page {
                 let h = self.call(DriverCall::MemCreate, page, 1, |b| b.mem_create(page))?;
                 self.reserve.pages.push(h);
+                // Each page is one driver allocation, and is counted freed when released.
+                self.stats.num_device_alloc += 1;
             }
         }
         let got = if plain {

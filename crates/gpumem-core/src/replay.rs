@@ -267,6 +267,25 @@ pub fn replay_on(
         match e.kind {
             Kind::Alloc if e.size > 0 => {
                 ops += 1;
+                if let Some((old, size)) = blocks.remove(&(e.stream, e.addr)) {
+                    // The trace lost this address's free (`Trace::warnings` counts these): the
+                    // earlier block is taken as freed here, as PyTorch must have freed it.
+                    live_now -= size;
+                    if let (Some(evs), Some(ctl)) =
+                        (waiting.remove(&(e.stream, e.addr)), events.as_ref())
+                    {
+                        for h in evs {
+                            ctl.complete(h);
+                        }
+                    }
+                    match alloc.free_allocation(&old) {
+                        // Already freed by the trace, its completion the missing part.
+                        Ok(())
+                        | Err(AllocError::UnknownPointer { .. })
+                        | Err(AllocError::DoubleFree { .. }) => {}
+                        Err(err) => return Err(err),
+                    }
+                }
                 match alloc.allocate(e.size, e.stream) {
                     Ok(a) => {
                         allocs += 1;

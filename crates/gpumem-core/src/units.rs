@@ -49,8 +49,7 @@ pub fn parse_size(text: &str) -> Option<u64> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().ok()?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => KIB,
         "m" | "mb" | "mib" => MIB,
@@ -58,6 +57,11 @@ pub fn parse_size(text: &str) -> Option<u64> {
         "t" | "tb" | "tib" => 1 << 40,
         _ => return None,
     };
+    if !num.contains('.') {
+        // Whole numbers exactly (an f64 rounds byte counts above 2^53).
+        return num.parse::<u64>().ok()?.checked_mul(mult);
+    }
+    let value: f64 = num.parse().ok()?;
     let bytes = value * mult as f64;
     (bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
 }
@@ -65,6 +69,16 @@ pub fn parse_size(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn whole_byte_counts_parse_exactly() {
+        assert_eq!(parse_size("9007199254740993"), Some((1 << 53) + 1));
+        assert_eq!(parse_size("18446744073709551615"), Some(u64::MAX));
+        assert_eq!(parse_size("18446744073709551616"), None);
+        assert_eq!(parse_size("16777216TiB"), None); // 2^64: overflows
+        assert_eq!(parse_size("3GiB"), Some(3 << 30));
+        assert_eq!(parse_size("1.5KiB"), Some(1536));
+    }
 
     #[test]
     fn rounding() {

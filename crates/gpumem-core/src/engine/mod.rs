@@ -402,10 +402,24 @@ impl Allocator {
         } else {
             st.uses.remove(&ptr)
         };
+        // Before anything is recorded (events, history), the block must be the live one the
+        // caller names. (Without uses or history the policy's free checks this itself.)
+        if uses.is_some() || self.tracker.is_some() {
+            let live = match handle {
+                Some(h) => st.policy.is_allocated_handle(h, ptr),
+                None => st.policy.is_allocated(ptr),
+            };
+            if !live {
+                if let Some(u) = uses.filter(|_| st.policy.is_allocated(ptr)) {
+                    st.uses.insert(ptr, u); // live under another handle: its uses stay
+                }
+                return Ok(false);
+            }
+        }
         // Used on other streams: an event on each of them first, so that if the driver
         // refuses one the block stays live, its uses recorded, and the free can be retried.
         let mut events = Vec::new();
-        if let Some(streams) = uses.as_ref().filter(|_| st.policy.is_allocated(ptr)) {
+        if let Some(streams) = uses.as_ref() {
             let mut d = self.device.lock();
             for &s in streams {
                 match d.event_record(s) {
@@ -421,7 +435,7 @@ impl Allocator {
                 }
             }
         }
-        if self.tracker.is_some() && st.policy.is_allocated(ptr) {
+        if self.tracker.is_some() {
             // Recorded before the release, which may return the block's segment.
             self.track(Action::FreeRequested, ptr, 0, shard.stream);
             if uses.is_none() {
@@ -467,6 +481,11 @@ impl Allocator {
             return Ok(());
         }
         let mut st = shard.state.lock();
+        if !st.policy.is_allocated(ptr) {
+            // Freed by another thread since it was found: a use recorded now would outlive it.
+            drop(st);
+            return Err(self.not_live(ptr));
+        }
         let uses = st.uses.entry(ptr).or_default();
         if !uses.contains(&stream) {
             uses.push(stream);

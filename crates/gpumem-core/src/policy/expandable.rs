@@ -136,23 +136,34 @@ impl Expandable {
         let begin = (addr - base) / page;
         let end = (addr + size - base).div_ceil(page);
         let mut made = Vec::new();
-        for _ in begin..end {
-            match d.create_chunk(page, pool) {
-                Ok(h) => made.push(h),
-                Err(e) if e.out_of_memory => {
-                    for h in made {
-                        d.release_chunk(h, page, pool)?;
-                    }
-                    return Ok(None);
-                }
-                Err(e) => return Err(e),
+        let mut mapped_pages = 0;
+        let outcome = (|| {
+            for _ in begin..end {
+                made.push(d.create_chunk(page, pool)?);
             }
+            for (i, &h) in (begin..end).zip(&made) {
+                d.map(base + i * page, page, h)?;
+                mapped_pages += 1;
+            }
+            d.set_access(base + begin * page, (end - begin) * page, end - begin)
+        })();
+        if let Err(e) = outcome {
+            // Nothing of this request stays: what was mapped is unmapped and every chunk made
+            // is released (best effort: a chunk the driver will not take back stays counted as
+            // held, rather than being reused in an unknown state).
+            let unmapped = mapped_pages == 0
+                || d.unmap(base + begin * page, mapped_pages * page, mapped_pages)
+                    .is_ok();
+            if unmapped {
+                for h in made {
+                    let _ = d.release_chunk(h, page, pool);
+                }
+            }
+            return if e.out_of_memory { Ok(None) } else { Err(e) };
         }
         for (i, h) in (begin..end).zip(made) {
-            d.map(base + i * page, page, h)?;
             self.segs[si].handles[i as usize] = Some(h);
         }
-        d.set_access(base + begin * page, (end - begin) * page, end - begin)?;
         let mapped = (end - begin) * page;
         self.set.detach(id);
         if mapped < bsize {

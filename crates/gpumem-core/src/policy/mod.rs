@@ -46,6 +46,10 @@ macro_rules! block_set_queries {
             self.set.allocated_at(addr).is_some()
         }
 
+        fn is_allocated_handle(&self, handle: u32, addr: DevPtr) -> bool {
+            self.set.allocated_handle(handle, addr).is_some()
+        }
+
         fn is_free_block(&self, addr: DevPtr) -> bool {
             self.set.is_free_start(addr)
         }
@@ -151,8 +155,11 @@ pub trait Policy: Send {
         }
     }
 
-    /// [`Policy::free`] of the block placed with `handle` at `addr` (checked, so a stale
-    /// handle is refused like an unknown pointer).
+    /// [`Policy::free`] of the block placed with `handle` at `addr`. The handle is checked
+    /// against the live block at `addr`, so a handle of another allocator, or of a block since
+    /// split or merged into others, is refused like an unknown pointer. Handles carry no
+    /// generation: one kept past its free, whose block was later handed out again at the same
+    /// address, frees that new allocation, as a raw pointer would.
     fn free_handle(
         &mut self,
         handle: u32,
@@ -181,6 +188,13 @@ pub trait Policy: Send {
 
     /// Whether `addr` is a block handed out and not yet freed.
     fn is_allocated(&self, addr: DevPtr) -> bool;
+
+    /// Whether `addr` is a block handed out with `handle` and not yet freed (the check of
+    /// [`Policy::free_handle`]).
+    fn is_allocated_handle(&self, handle: u32, addr: DevPtr) -> bool {
+        let _ = handle;
+        self.is_allocated(addr)
+    }
 
     /// Whether `addr` is the start of a cached (free) block: a second free of it is a double
     /// free.

@@ -147,8 +147,14 @@ impl Policy for Segmented {
         let mut freed = 0;
         let mut d = dev.lock();
         for id in whole {
-            let (addr, size, pool) = self.set.remove_segment(id);
+            // Freed by the driver first: a segment it refuses stays a cached block, for a later
+            // empty_cache to try again, instead of being forgotten while still held.
+            let (addr, size, pool) = {
+                let b = self.set.block(id);
+                (b.addr, b.size, b.pool)
+            };
             d.free_segment(addr, size, pool)?;
+            self.set.remove_segment(id);
             freed += size;
         }
         Ok(freed)

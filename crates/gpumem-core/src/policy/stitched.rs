@@ -323,7 +323,7 @@ impl PagePool {
                     }
                     Err(e) if e.out_of_memory && idle_total(&all) > 0 => {}
                     Err(e) => {
-                        Self::undo(&mut p, &mut all, &taken, &created, &mut d)?;
+                        Self::undo(&mut p, &mut all, &taken, &created, &mut d);
                         return Err(e);
                     }
                 }
@@ -347,7 +347,8 @@ impl PagePool {
             };
             picked.push((v, s));
         }
-        // Every taken page changes owner; the previous owner's work must come first.
+        // Every taken page changes owner once the request succeeds; the previous owner's work
+        // must come first.
         for &(s, prev) in &taken {
             if prev != me {
                 let idle_since = all.guards[prev as usize]
@@ -356,6 +357,43 @@ impl PagePool {
                     .copied()
                     .unwrap_or(u64::MAX);
                 others.push((prev, idle_since));
+            }
+        }
+        let mut mapped: Vec<u32> = Vec::new();
+        let connected = self.connect(
+            &mut p,
+            &mut all,
+            &mut d,
+            me,
+            epoch,
+            &picked,
+            &mut others,
+            &mut mapped,
+        );
+        if let Err(e) = connected {
+            // The driver refused a call part-way. What it did is already in the page tables
+            // (each unmap and map is recorded as it succeeds); take back this request's new
+            // mappings, whose access may not be set and whose stream order is not yet
+            // established, and return the picked pages to where they came from.
+            mapped.sort_unstable();
+            for run in runs(&mapped) {
+                let (va, n) = (p.shards[m].base + run.0 as u64 * self.page, run.1 as u64);
+                if d.unmap(va, n * self.page, n).is_err() {
+                    continue; // left mapped and recorded as such: a later trim unmaps it
+                }
+                for v in run.0..run.0 + run.1 {
+                    let s = all.guards[m].map[v as usize];
+                    if let Some(ph) = p.phys[s as usize].as_mut() {
+                        ph.aliases.retain(|&a| a != (me, v));
+                    }
+                    all.guards[m].map[v as usize] = NONE;
+                }
+            }
+            Self::undo(&mut p, &mut all, &taken, &created, &mut d);
+            return Err(e);
+        }
+        for &(s, prev) in &taken {
+            if prev != me {
                 let f = &mut all.guards[m].foreign;
                 if f.len() <= s as usize {
                     f.resize(s as usize + 1, false);
@@ -364,6 +402,28 @@ impl PagePool {
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
+        Ok(())
+    }
+
+    /// The fallible part of [`Self::claim_slow`]: unmaps the virtual pages of shard `me` that
+    /// still show another page (once their stream's earlier work is done), maps the picked
+    /// pages, sets their access, and makes the stream wait for the streams whose pages it
+    /// took. Every unmap and map is recorded in the page tables as soon as it succeeds, and the
+    /// virtual pages newly mapped are pushed to `mapped`, so that a failure part-way leaves the
+    /// tables true to the driver.
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        &self,
+        p: &mut Pages,
+        all: &mut AllLocals,
+        d: &mut DeviceState,
+        me: u32,
+        epoch: u64,
+        picked: &[(u32, u32)],
+        others: &mut [(u32, u64)],
+        mapped: &mut Vec<u32>,
+    ) -> Result<(), BackendError> {
+        let m = me as usize;
         let base = p.shards[m].base;
         // Virtual pages still pointing at a page in use elsewhere are unmapped first, once
         // their stream's earlier work is done.
@@ -395,27 +455,27 @@ impl PagePool {
                 }
                 None => {
                     let ev = d.event_record(p.shards[m].stream)?;
-                    d.event_synchronize(ev)?;
+                    let waited = d.event_synchronize(ev);
                     d.event_destroy(ev);
+                    waited?;
                 }
             }
-            let mut sorted = stale.clone();
+            let mut sorted = stale;
             sorted.sort_unstable();
             for run in runs(&sorted) {
                 let (va, n) = (base + run.0 as u64 * self.page, run.1 as u64);
                 d.unmap(va, n * self.page, n)?;
-            }
-            for &v in &stale {
-                let old = all.guards[m].map[v as usize];
-                if let Some(ph) = p.phys[old as usize].as_mut() {
-                    ph.aliases.retain(|&a| a != (me, v));
+                for v in run.0..run.0 + run.1 {
+                    let old = all.guards[m].map[v as usize];
+                    if let Some(ph) = p.phys[old as usize].as_mut() {
+                        ph.aliases.retain(|&a| a != (me, v));
+                    }
+                    all.guards[m].map[v as usize] = NONE;
+                    p.remaps += 1;
                 }
-                all.guards[m].map[v as usize] = NONE;
-                p.remaps += 1;
             }
         }
-        let mut mapped: Vec<u32> = Vec::new();
-        for &(v, s) in &picked {
+        for &(v, s) in picked {
             if all.guards[m].map[v as usize] == s {
                 continue; // taken over through its existing mapping
             }
@@ -425,8 +485,9 @@ impl PagePool {
             all.guards[m].map[v as usize] = s;
             mapped.push(v);
         }
-        mapped.sort_unstable();
-        for run in runs(&mapped) {
+        let mut fresh = mapped.clone();
+        fresh.sort_unstable();
+        for run in runs(&fresh) {
             let (va, n) = (base + run.0 as u64 * self.page, run.1 as u64);
             d.set_access(va, n * self.page, n)?;
         }
@@ -452,39 +513,48 @@ impl PagePool {
                     // Still running: this stream now waits for all of `o`'s queued work, not
                     // just what came before the pages went idle. From now on `o` marks its
                     // place when such pages go idle (see `mark`).
-                    if !d.event_query(ev)? {
-                        all.guards[o as usize].marks_wanted = true;
-                    }
-                    d.stream_wait_event(stream, ev)?;
+                    let waited = d.event_query(ev).and_then(|done| {
+                        if !done {
+                            all.guards[o as usize].marks_wanted = true;
+                        }
+                        d.stream_wait_event(stream, ev)
+                    });
                     d.event_destroy(ev);
+                    waited?;
                 }
             }
         }
-        // Mark this point of the stream's work for later remaps (see above).
-        let ev = d.event_record(stream)?;
-        Self::push_event(&mut all.guards[m], epoch, ev, &mut d);
+        // Mark this point of the stream's work for later remaps (see above). Best effort, as
+        // in `mark`: without it a later remap waits for a fresh event instead.
+        if let Ok(ev) = d.event_record(stream) {
+            Self::push_event(&mut all.guards[m], epoch, ev, d);
+        }
         Ok(())
     }
 
     /// Returns the pages picked for a request that failed: new ones to the device, taken ones
-    /// to their owner's idle list.
+    /// to their owner's idle list. A new page the driver would not unmap or release stays as an
+    /// idle page of its stream, so that a later trim tries again and nothing is lost.
     fn undo(
         p: &mut Pages,
         all: &mut AllLocals,
         taken: &[(u32, u32)],
         created: &[u32],
         d: &mut DeviceState,
-    ) -> Result<(), BackendError> {
+    ) {
         for &(s, owner) in taken {
             all.guards[owner as usize].idle.push_front(s);
         }
         for &s in created {
-            let ph = p.phys[s as usize].take().expect("created slot");
+            let ph = p.phys[s as usize].as_ref().expect("created slot");
+            if !ph.aliases.is_empty() || d.release_page(ph.handle, Pool::Large).is_err() {
+                all.guards[ph.owner as usize].idle.push_front(s);
+                continue;
+            }
+            p.phys[s as usize] = None;
             p.spare.push(s);
             p.held -= 1;
-            d.release_page(ph.handle, Pool::Large)?;
         }
-        Ok(())
     }
 
     fn new_slot(p: &mut Pages, handle: PhysHandle, owner: u32) -> u32 {
@@ -597,20 +667,33 @@ impl PagePool {
         }
         let mut released = 0;
         for s in slots {
-            let ph = p.phys[s as usize].take().expect("idle slot");
-            all.guards[ph.owner as usize].idle.remove(s);
-            if let Some(f) = all.guards[ph.owner as usize].foreign.get_mut(s as usize) {
-                *f = false; // the slot number may be reused for a new page
-            }
-            for &(sh, v) in &ph.aliases {
+            // Each alias is forgotten only once unmapped, and the page only once released: a
+            // refused call leaves the page idle and mapped where it still is, for a later trim.
+            while let Some(&(sh, v)) = p.phys[s as usize]
+                .as_ref()
+                .expect("idle slot")
+                .aliases
+                .last()
+            {
                 d.unmap(
                     p.shards[sh as usize].base + v as u64 * self.page,
                     self.page,
                     1,
                 )?;
                 all.guards[sh as usize].map[v as usize] = NONE;
+                p.phys[s as usize]
+                    .as_mut()
+                    .expect("idle slot")
+                    .aliases
+                    .pop();
             }
-            d.release_page(ph.handle, Pool::Large)?;
+            let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
+            d.release_page(handle, Pool::Large)?;
+            let ph = p.phys[s as usize].take().expect("idle slot");
+            all.guards[ph.owner as usize].idle.remove(s);
+            if let Some(f) = all.guards[ph.owner as usize].foreign.get_mut(s as usize) {
+                *f = false; // the slot number may be reused for a new page
+            }
             p.spare.push(s);
             p.held -= 1;
             released += self.page;

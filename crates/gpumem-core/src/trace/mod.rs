@@ -138,12 +138,14 @@ impl Trace {
     /// addresses with no live allocation.
     pub fn warnings(&self) -> Vec<String> {
         let mut live: rustc_hash::FxHashSet<(u64, u64)> = Default::default();
-        let (mut zero, mut unknown_frees) = (0u64, 0u64);
+        let (mut zero, mut unknown_frees, mut realloc) = (0u64, 0u64, 0u64);
         for e in &self.events {
             match e.kind {
                 Kind::Alloc if e.size == 0 => zero += 1,
                 Kind::Alloc => {
-                    live.insert((e.stream, e.addr));
+                    if !live.insert((e.stream, e.addr)) {
+                        realloc += 1;
+                    }
                 }
                 Kind::FreeRequested if !live.contains(&(e.stream, e.addr)) => unknown_frees += 1,
                 Kind::FreeCompleted => {
@@ -163,6 +165,12 @@ impl Trace {
         if zero > 0 {
             w.push(format!(
                 "{zero} allocations of 0 bytes (or of a size that is not a byte count) were left out"
+            ));
+        }
+        if realloc > 0 {
+            w.push(format!(
+                "{realloc} allocations at an address that was still live (the trace lacks its \
+                 free); the earlier block was taken as freed there"
             ));
         }
         if unknown_frees > 0 {
