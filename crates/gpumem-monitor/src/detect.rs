@@ -5,18 +5,26 @@
 //!
 //! 1. its robust slope (Theil–Sen: the median of the slopes between every pair of samples,
 //!    which a single jump or a few outliers do not move much) is at least `min_rate` bytes/s,
-//! 2. it rose by at least `min_growth` bytes, and
+//! 2. it rose by at least `min_growth` bytes,
 //! 3. the rise is spread over the window: cut into `segments` equal stretches of time, the
 //!    median of every stretch is higher than the one before by at least `evenness` times
 //!    an even share of the rise. A model load, a one-off jump, rises in one stretch and
-//!    fails this; noise rises and falls and fails it too;
+//!    fails this; noise rises and falls and fails it too; and
 //! 4. the rise stands out of the noise: it is at least `significance` times the standard
 //!    error of a stretch's median, estimated from the spread of the samples around the
 //!    fitted line (1.4826 × their median absolute deviation). A workload that swings by
 //!    gigabytes every step needs a longer window before a slow leak shows.
 //!
-//! The alarm is raised on the first sample where all three hold, and cleared (with
-//! hysteresis) once the slope falls below half of `min_rate`. The baseline of a series is
+//! The alarm is raised on the first sample where all four hold, and cleared (with
+//! hysteresis) once the slope falls below half of `min_rate`.
+//!
+//! The tests need samples in every stretch: a window must span at least
+//! [`DetectorConfig::min_samples_per_window`] sampling intervals (two per stretch, so that
+//! the jitter of a real clock cannot leave a stretch empty). With an interval over half the
+//! window, a window holds two samples and the alarm can never be raised; with a few more,
+//! the evenness and noise tests mean little and flat but noisy memory alarms about as
+//! readily as a leak. [`DetectorConfig::check`] refuses such a configuration, saying which
+//! window or interval would do, instead of watching silently. The baseline of a series is
 //! the median of its first stretch once it has been watched for a whole window, and moves to
 //! the median of any later window that was flat: after a model load the baseline follows.
 
@@ -39,6 +47,96 @@ pub struct DetectorConfig {
     pub evenness: f64,
     /// How many standard errors of a stretch's median the rise must be.
     pub significance: f64,
+}
+
+impl DetectorConfig {
+    /// The fewest sampling intervals a window must span: two per stretch of the evenness
+    /// test (10 with the default five stretches).
+    pub fn min_samples_per_window(&self) -> u32 {
+        2 * self.segments.max(3) as u32
+    }
+
+    /// Checks the thresholds against each other and against the sampling `interval_s`
+    /// (seconds). The messages name the `gpumem monitor` flags that set each value.
+    pub fn check(&self, interval_s: f64) -> Result<(), String> {
+        if !(self.window_s.is_finite() && self.window_s > 0.0) {
+            return Err(format!(
+                "--window must be a positive time, not {} s",
+                self.window_s
+            ));
+        }
+        // Zero would make the test of a flat window (|slope| < rate / 4) impossible, so the
+        // baseline would never follow a model load, and the alarm (cleared once the slope is
+        // under rate / 2) would never clear after a leak stops.
+        if !(self.min_rate.is_finite() && self.min_rate > 0.0) {
+            return Err(format!(
+                "--leak-rate must be above 0 bytes/s (not {}): with no least rate every \
+                 growing window counts, the alarm never clears and the baseline never moves",
+                self.min_rate
+            ));
+        }
+        // The same for the rise: a flat window is one that rose by less than half of it.
+        if self.min_growth == 0 {
+            return Err(
+                "--leak-min must be above 0 bytes: with no least rise the baseline \
+                        never moves after a model load"
+                    .to_string(),
+            );
+        }
+        if !(interval_s.is_finite() && interval_s > 0.0) {
+            return Err(format!(
+                "--interval must be a positive time, not {interval_s} s"
+            ));
+        }
+        let need = self.min_samples_per_window();
+        // A hair of tolerance, so that 0.5 s over 50 ms counts as the ten intervals it is.
+        if self.window_s < need as f64 * interval_s * (1.0 - 1e-9) {
+            let longest_interval = self.window_s / need as f64;
+            let mut msg = format!(
+                "--window {} is too short for --interval {}: the leak alarm cuts the window \
+                 into {} stretches and needs at least {need} samples in it (two per \
+                 stretch), so the window must be at least {need} × the interval: use \
+                 --window {} or longer",
+                flag_time(self.window_s),
+                flag_time(interval_s),
+                self.segments.max(3),
+                flag_time_up(need as f64 * interval_s),
+            );
+            if longest_interval >= 0.001 {
+                msg.push_str(&format!(
+                    ", or --interval {} or shorter",
+                    flag_time_down(longest_interval)
+                ));
+            }
+            return Err(msg);
+        }
+        Ok(())
+    }
+}
+
+/// A time as `gpumem monitor` takes it on its command line: "500ms", "2.5s".
+fn flag_time(secs: f64) -> String {
+    let trim = |v: f64| {
+        let t = format!("{v:.3}");
+        t.trim_end_matches('0').trim_end_matches('.').to_string()
+    };
+    if secs < 1.0 {
+        format!("{}ms", trim(secs * 1000.0))
+    } else {
+        format!("{}s", trim(secs))
+    }
+}
+
+/// [`flag_time`], rounded up to the microsecond it prints (a bound that is at least `secs`).
+fn flag_time_up(secs: f64) -> String {
+    let unit = if secs < 1.0 { 1e-6 } else { 1e-3 };
+    flag_time(((secs / unit) - 1e-6).ceil() * unit)
+}
+
+/// [`flag_time`], rounded down (a bound that is at most `secs`).
+fn flag_time_down(secs: f64) -> String {
+    let unit = if secs < 1.0 { 1e-6 } else { 1e-3 };
+    flag_time(((secs / unit) + 1e-6).floor() * unit)
 }
 
 impl Default for DetectorConfig {
@@ -90,26 +188,26 @@ pub struct Alarm {
 
 impl std::fmt::Display for Alarm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use gpumem_core::units::format_size;
+        use crate::render::{duration, size};
         let who = match self.pid {
             Some(pid) => format!("pid {pid} ({})", self.name),
             None => "the GPU's total (no process accounts for it)".to_string(),
         };
         write!(
             f,
-            "LEAK? GPU {} {who} grows steadily: +{} in {:.0} s ({}/s), now {}",
+            "LEAK? GPU {} {who} grows steadily: +{} in {} ({}/s), now {}",
             self.gpu,
-            format_size(self.grew_bytes),
-            self.window_s,
-            format_size(self.rate_bytes_per_s.max(0.0) as u64),
-            format_size(self.current_bytes)
+            size(self.grew_bytes),
+            duration(self.window_s),
+            size(self.rate_bytes_per_s.max(0.0) as u64),
+            size(self.current_bytes)
         )?;
         if let Some(b) = self.baseline_bytes {
             write!(
                 f,
                 ", {} above its baseline of {}",
-                format_size(self.current_bytes.saturating_sub(b)),
-                format_size(b)
+                size(self.current_bytes.saturating_sub(b)),
+                size(b)
             )?;
         }
         Ok(())
@@ -534,5 +632,103 @@ mod tests {
         let a = raised.expect("GPU-level alarm");
         assert_eq!(a.pid, None);
         assert!(a.to_string().contains("GPU's total"), "{a}");
+    }
+
+    #[test]
+    fn a_window_must_span_enough_intervals_and_the_rates_be_positive() {
+        let cfg = DetectorConfig::default();
+        assert_eq!(cfg.min_samples_per_window(), 10);
+        assert_eq!(cfg.check(1.0), Ok(()));
+        assert_eq!(cfg.check(3.0), Ok(()), "30 s over 3 s: exactly ten");
+        let half = DetectorConfig {
+            window_s: 0.5,
+            ..DetectorConfig::default()
+        };
+        assert_eq!(
+            half.check(0.05),
+            Ok(()),
+            "0.5 s over 50 ms is ten, not 9.999…"
+        );
+        // interval = window / 2.
+        assert_eq!(
+            cfg.check(15.0).unwrap_err(),
+            "--window 30s is too short for --interval 15s: the leak alarm cuts the window \
+             into 5 stretches and needs at least 10 samples in it (two per stretch), so the \
+             window must be at least 10 × the interval: use --window 150s or longer, or \
+             --interval 3s or shorter"
+        );
+        let e = half.check(0.25).unwrap_err();
+        assert!(
+            e.ends_with("use --window 2.5s or longer, or --interval 50ms or shorter"),
+            "{e}"
+        );
+        // Suggestions that do not divide evenly are rounded the safe way.
+        let odd = DetectorConfig {
+            window_s: 1.0,
+            ..DetectorConfig::default()
+        };
+        let e = odd.check(1.0 / 3.0).unwrap_err();
+        assert!(
+            e.ends_with("use --window 3.334s or longer, or --interval 100ms or shorter"),
+            "{e}"
+        );
+        let suggested = DetectorConfig {
+            window_s: 3.334,
+            ..DetectorConfig::default()
+        };
+        assert_eq!(suggested.check(1.0 / 3.0), Ok(()), "the suggestion works");
+        // Too short a window for any interval of 1 ms or more: only the window is suggested.
+        let tiny = DetectorConfig {
+            window_s: 0.005,
+            ..DetectorConfig::default()
+        };
+        assert!(tiny
+            .check(0.001)
+            .unwrap_err()
+            .ends_with("use --window 10ms or longer"));
+        // A zero rate or rise would freeze the baseline and never clear an alarm.
+        let zero_rate = DetectorConfig {
+            min_rate: 0.0,
+            ..DetectorConfig::default()
+        };
+        assert!(zero_rate
+            .check(1.0)
+            .unwrap_err()
+            .starts_with("--leak-rate must be above 0 bytes/s"));
+        let zero_min = DetectorConfig {
+            min_growth: 0,
+            ..DetectorConfig::default()
+        };
+        assert!(zero_min
+            .check(1.0)
+            .unwrap_err()
+            .starts_with("--leak-min must be above 0 bytes"));
+        assert!(cfg.check(0.0).is_err());
+        assert!(cfg.check(f64::NAN).is_err());
+    }
+
+    /// At the least interval the check allows (window / 10), a steady leak sampled by a
+    /// jittery clock (each sample up to ±30 % of an interval off its slot) is found.
+    #[test]
+    fn the_least_allowed_sampling_finds_a_leak_despite_jitter() {
+        for seed in 1..=20 {
+            let cfg = DetectorConfig::default();
+            let interval = cfg.window_s / cfg.min_samples_per_window() as f64;
+            assert_eq!(cfg.check(interval), Ok(()));
+            let mut d = GrowthDetector::new(cfg);
+            let mut r = Lcg(seed);
+            let mut raised = None;
+            for k in 0..40u64 {
+                let t = k as f64 * interval + 0.3 * interval * r.next();
+                // 16 MiB/s from the start, flat before.
+                let b = GIB + (16.0 * MIB as f64 * t.max(0.0)) as u64;
+                if d.observe(t, &gpu(&[(3, b)])).iter().any(|a| a.new) {
+                    raised.get_or_insert(k);
+                }
+            }
+            let k = raised.unwrap_or_else(|| panic!("seed {seed}: no alarm"));
+            // Once a whole window has been watched (10 samples), at most a few samples more.
+            assert!((8..=14).contains(&k), "seed {seed}: raised at sample {k}");
+        }
     }
 }

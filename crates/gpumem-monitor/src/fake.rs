@@ -86,8 +86,10 @@ pub struct FakeSource {
     pub overhead_bytes: u64,
     /// Processes.
     pub processes: Vec<FakeProcess>,
-    /// Samples taken so far.
+    /// Samples taken so far (failed ones too).
     pub samples: u64,
+    /// Samples (numbered from 0, as `samples` counts them) that fail with a query error.
+    pub failing: Vec<std::ops::Range<u64>>,
 }
 
 impl FakeSource {
@@ -98,12 +100,20 @@ impl FakeSource {
             overhead_bytes: 512 * MIB,
             processes,
             samples: 0,
+            failing: Vec::new(),
         }
+    }
+
+    /// The same source, with samples `at` failing.
+    pub fn failing(mut self, at: std::ops::Range<u64>) -> Self {
+        self.failing.push(at);
+        self
     }
 
     /// Named scenarios (for `gpumem monitor --fake`): "leak" (pid 4242 grows 64 MiB per
     /// sample beside a steady pid 4141 and a model load in pid 4343), "step" (only the model
-    /// load), "noise" (a process swinging by ±256 MiB), "idle".
+    /// load), "noise" (a process swinging by ±256 MiB), "idle", "broken" (idle, and every
+    /// sample after the first two fails, as when the driver goes away).
     pub fn scenario(name: &str) -> Option<Self> {
         let p = |pid, name: &str, pattern| FakeProcess {
             pid,
@@ -143,6 +153,7 @@ impl FakeSource {
                 },
             )],
             "idle" => Vec::new(),
+            "broken" => return Some(Self::new(80 * GIB, Vec::new()).failing(2..u64::MAX)),
             _ => return None,
         };
         Some(Self::new(80 * GIB, procs))
@@ -153,6 +164,11 @@ impl DeviceSource for FakeSource {
     fn sample(&mut self) -> Result<Vec<GpuSample>, MonitorError> {
         let n = self.samples;
         self.samples += 1;
+        if self.failing.iter().any(|r| r.contains(&n)) {
+            return Err(MonitorError::Query(format!(
+                "scripted failure of fake sample {n}"
+            )));
+        }
         let processes: Vec<ProcSample> = self
             .processes
             .iter()
@@ -233,5 +249,17 @@ mod tests {
         let g2 = f.sample().unwrap();
         assert_eq!(g2[0].used_bytes - g[0].used_bytes, 64 * MIB);
         assert!(FakeSource::scenario("nonsense").is_none());
+    }
+
+    #[test]
+    fn scripted_failures_fail_those_samples_only() {
+        let mut f = FakeSource::scenario("idle").unwrap().failing(1..3);
+        let ok: Vec<bool> = (0..5).map(|_| f.sample().is_ok()).collect();
+        assert_eq!(ok, [true, false, false, true, true]);
+        let mut b = FakeSource::scenario("broken").unwrap();
+        let ok: Vec<bool> = (0..4).map(|_| b.sample().is_ok()).collect();
+        assert_eq!(ok, [true, true, false, false]);
+        let e = b.sample().unwrap_err().to_string();
+        assert_eq!(e, "NVML query failed: scripted failure of fake sample 4");
     }
 }

@@ -1,7 +1,10 @@
 //! GPUs through NVML (libnvidia-ml, loaded at run time by nvml-wrapper: without an NVIDIA
 //! driver this is an error that says so, not a crash).
 
-use crate::source::{process_name, DeviceSource, GpuSample, MonitorError, ProcSample};
+use crate::source::{
+    in_own_pid_namespace, process_name, DeviceSource, GpuSample, MonitorError, ProcSample,
+    PID_NAMESPACE_NOTE,
+};
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
@@ -94,6 +97,9 @@ impl DeviceSource for NvmlSource {
                     .into_iter()
                     .map(|(pid, used_bytes)| ProcSample {
                         pid,
+                        // The driver's pid: in a container with a PID namespace of its own it
+                        // may be the host's, and the name read from our /proc then "?" or
+                        // another process's (see `process_name`; noted once at start).
                         name: process_name(pid),
                         used_bytes,
                     })
@@ -105,6 +111,14 @@ impl DeviceSource for NvmlSource {
 
     fn describe(&self) -> String {
         self.describe.clone()
+    }
+
+    fn notes(&self) -> Vec<String> {
+        if in_own_pid_namespace() == Some(true) {
+            vec![PID_NAMESPACE_NOTE.to_string()]
+        } else {
+            Vec::new()
+        }
     }
 }
 

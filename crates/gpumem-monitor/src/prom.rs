@@ -17,8 +17,16 @@ use std::thread::JoinHandle;
 type Labels = Vec<(String, String)>;
 type GaugeF = Gauge<f64, AtomicU64>;
 
-/// The default address of the endpoint (the port node exporters leave free for others).
-pub const DEFAULT_ADDR: &str = "127.0.0.1:9400";
+/// The default address of the endpoint.
+///
+/// Not 9400: that is dcgm-exporter's default, the exporter most GPU machines already run.
+/// No port of the Prometheus wiki's exporter range (9100-9999, "Default port allocations")
+/// is free of an exporter any more (the range has been fully allocated since 2023, new
+/// allocations continue from 10000 up), so the default lies outside it: clear of the
+/// exporters found on GPU hosts (node_exporter 9100, dcgm-exporter 9400, nvidia_gpu_exporter
+/// 9835), of Prometheus itself (9090-9094) and of Kubernetes' node ports (10248-10260). It is
+/// not registered anywhere; `--prometheus ADDR` picks another.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:19400";
 
 /// Content type of the OpenMetrics text format.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -352,6 +360,19 @@ mod tests {
         let (head, _) = get(ep.addr(), "/nothing");
         assert!(head.starts_with("HTTP/1.1 404"), "{head}");
         drop(ep); // stops the server thread
+    }
+
+    #[test]
+    fn the_default_address_is_loopback_and_no_common_exporters_port() {
+        let a: SocketAddr = DEFAULT_ADDR.parse().unwrap();
+        assert!(a.ip().is_loopback());
+        assert_eq!(a.port(), 19400);
+        // dcgm-exporter, node_exporter, nvidia_gpu_exporter, Prometheus and its
+        // Alertmanager/Pushgateway, and the exporter range of the Prometheus wiki.
+        for taken in [9400, 9100, 9835, 9090, 9091, 9093] {
+            assert_ne!(a.port(), taken);
+        }
+        assert!(!(9100..=9999).contains(&a.port()));
     }
 
     #[test]
