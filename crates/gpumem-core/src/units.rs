@@ -30,7 +30,8 @@ pub fn round_up(n: u64, to: u64) -> u64 {
     n.div_ceil(to) * to
 }
 
-/// Formats a byte count the way PyTorch's `format_size` does ("1.50 GiB").
+/// Formats a byte count the way PyTorch's `format_size` does ("1.50 GiB"), boundaries included
+/// (exactly 1 MiB is "1024.00 KiB"), so that OOM messages read as PyTorch's do.
 pub fn format_size(bytes: u64) -> String {
     if bytes <= 1_048_576 {
         format!("{:.2} KiB", bytes as f64 / 1024.0)

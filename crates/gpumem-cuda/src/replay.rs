@@ -491,11 +491,12 @@ mod tests {
     fn without_a_driver_the_replay_says_so() {
         let trace = Trace::default();
         // A bad configuration is reported before the device is needed, driver or not.
-        let e = run_cli(&trace, &[], "policy:nope", true).unwrap_err();
+        let (mut out, mut note) = (|_: &str| {}, |_: &str| {});
+        let e = run_cli(&trace, &[], "policy:nope", true, &mut out, &mut note).unwrap_err();
         assert!(e.contains("unknown policy"), "{e}");
         // SAFETY: only tries to dlopen libcuda.
         let present = unsafe { sys::is_culib_present() };
-        match run_cli(&trace, &[], "", true) {
+        match run_cli(&trace, &[], "", true, &mut out, &mut note) {
             Err(e) => assert_eq!(e.contains("no CUDA driver was found"), !present, "{e}"),
             Ok(_) => assert!(present, "a replay on the GPU without a driver"),
         }

@@ -142,11 +142,8 @@ impl Trace {
         for e in &self.events {
             match e.kind {
                 Kind::Alloc if e.size == 0 => zero += 1,
-                Kind::Alloc => {
-                    if !live.insert((e.stream, e.addr)) {
-                        realloc += 1;
-                    }
-                }
+                // The guard records the address; it fails (falls through) when it was not live.
+                Kind::Alloc if !live.insert((e.stream, e.addr)) => realloc += 1,
                 Kind::FreeRequested if !live.contains(&(e.stream, e.addr)) => unknown_frees += 1,
                 Kind::FreeCompleted => {
                     live.remove(&(e.stream, e.addr));
