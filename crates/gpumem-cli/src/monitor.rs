@@ -36,9 +36,9 @@ pub struct MonitorArgs {
     #[arg(long)]
     quiet: bool,
     /// Leak alarm: the window of time a decision looks at (1 ms to 24 h, and at least 10
-    /// intervals).
-    #[arg(long, default_value = "30s", value_parser = parse_window)]
-    window: Duration,
+    /// intervals; default: 30 s, or 10 intervals when that is longer).
+    #[arg(long, value_parser = parse_window)]
+    window: Option<Duration>,
     /// Leak alarm: the least steady growth per second (bytes, e.g. 1MiB; above 0).
     #[arg(long, default_value = "1MiB", value_parser = parse_leak_rate)]
     leak_rate: u64,
@@ -172,6 +172,14 @@ fn parse_leak_min(s: &str) -> Result<u64, String> {
     }
 }
 
+/// The leak alarm's window when none is given: 30 s, stretched to the least number of samples
+/// the alarm needs when the interval is long (`--interval 10s` gets a 100 s window, instead
+/// of an error about a window the user never chose).
+fn default_window(interval: Duration) -> Duration {
+    let least = interval.saturating_mul(DetectorConfig::default().min_samples_per_window());
+    least.max(Duration::from_secs(30))
+}
+
 pub fn run(a: MonitorArgs) -> Result<(), String> {
     let opts = MonitorOptions {
         interval: a.interval,
@@ -185,7 +193,10 @@ pub fn run(a: MonitorArgs) -> Result<(), String> {
             Output::Table
         },
         detector: DetectorConfig {
-            window_s: a.window.as_secs_f64(),
+            window_s: a
+                .window
+                .unwrap_or_else(|| default_window(a.interval))
+                .as_secs_f64(),
             min_rate: a.leak_rate as f64,
             min_growth: a.leak_min,
             ..DetectorConfig::default()
@@ -229,6 +240,27 @@ pub fn run(a: MonitorArgs) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_window_stretches_to_ten_intervals() {
+        assert_eq!(
+            default_window(Duration::from_secs(1)),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            default_window(Duration::from_secs(3)),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            default_window(Duration::from_secs(5)),
+            Duration::from_secs(50)
+        );
+        let d = DetectorConfig {
+            window_s: default_window(Duration::from_secs(7)).as_secs_f64(),
+            ..DetectorConfig::default()
+        };
+        d.check(7.0).unwrap();
+    }
 
     #[test]
     fn durations_parse_with_units() {
