@@ -10,11 +10,62 @@ use cudarc::driver::{
 use gpumem_core::{AllocError, Allocation, Allocator, Config, MemoryStats};
 use std::fmt;
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 struct Shared {
     engine: Allocator,
     ctx: Arc<CudaContext>,
+    /// Every stream the allocator was given, kept alive for as long as the allocator: the
+    /// engine keeps a pool per stream handle and records events on those streams when it frees
+    /// blocks used there or empties its cache, so a stream destroyed earlier would be an event
+    /// on a dead handle (a crash in the driver), and a new stream that got the same handle
+    /// would inherit blocks the dead stream's work may still be writing.
+    streams: RwLock<Vec<Arc<CudaStream>>>,
+}
+
+/// The handle of CUDA's per-thread default stream (`CU_STREAM_PER_THREAD`): one value naming
+/// a different stream on every thread, so a pool keyed by it would hand a block freed on one
+/// thread's stream to another thread's, unordered.
+const PER_THREAD_STREAM: usize = 0x2;
+
+impl Shared {
+    /// Refuses streams the engine cannot key a pool by: another context's, or the per-thread
+    /// default stream.
+    fn check_stream(&self, stream: &CudaStream) -> Result<(), AllocError> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(AllocError::Config(format!(
+                "the stream belongs to CUDA device {} (or another context), this allocator \
+                 serves device {}'s primary context",
+                stream.context().ordinal(),
+                self.engine.device_info().ordinal
+            )));
+        }
+        if stream.cu_stream() as usize == PER_THREAD_STREAM {
+            return Err(per_thread_stream_error());
+        }
+        Ok(())
+    }
+
+    /// Keeps `stream` alive for the allocator's life (see `streams`).
+    fn keep(&self, stream: &Arc<CudaStream>) {
+        let known =
+            |v: &Vec<Arc<CudaStream>>| v.iter().any(|s| s.cu_stream() == stream.cu_stream());
+        if known(&self.streams.read().unwrap_or_else(|p| p.into_inner())) {
+            return;
+        }
+        let mut v = self.streams.write().unwrap_or_else(|p| p.into_inner());
+        if !known(&v) {
+            v.push(stream.clone());
+        }
+    }
+}
+
+fn per_thread_stream_error() -> AllocError {
+    AllocError::Config(
+        "the per-thread default stream (CU_STREAM_PER_THREAD) names another stream on every \
+         thread: allocate on an explicit stream, or on the default stream"
+            .into(),
+    )
 }
 
 /// gpumem's allocator for one CUDA device (its primary context). Cloning is cheap and clones
@@ -47,7 +98,11 @@ impl CudaAllocator {
         let ctx = backend.context().clone();
         let engine = Allocator::new(Box::new(backend), config)?;
         Ok(Self {
-            shared: Arc::new(Shared { engine, ctx }),
+            shared: Arc::new(Shared {
+                engine,
+                ctx,
+                streams: RwLock::new(Vec::new()),
+            }),
         })
     }
 
@@ -82,15 +137,13 @@ impl CudaAllocator {
         self.shared.engine.empty_cache()
     }
 
-    /// Allocates `bytes` for use on `stream` (a stream of this device's context).
+    /// Allocates `bytes` for use on `stream` (a stream of this device's primary context, not
+    /// the per-thread default stream). The allocator keeps every stream it is given alive for
+    /// as long as it lives, as PyTorch never destroys its streams: it records events on them
+    /// when blocks used there are freed and when its cache is emptied.
     pub fn alloc(&self, bytes: u64, stream: &Arc<CudaStream>) -> Result<DeviceBuffer, AllocError> {
-        if stream.context().cu_ctx() != self.shared.ctx.cu_ctx() {
-            return Err(AllocError::Config(format!(
-                "the stream belongs to CUDA device {}, this allocator serves device {}",
-                stream.context().ordinal(),
-                self.ordinal()
-            )));
-        }
+        self.shared.check_stream(stream)?;
+        self.shared.keep(stream);
         let a = self
             .shared
             .engine
@@ -115,8 +168,12 @@ impl CudaAllocator {
     /// # Safety
     ///
     /// `stream` must be 0 or a live stream of this device's primary context, and must outlive
-    /// the buffer: gpumem records events on it when the buffer is freed.
+    /// the allocator: gpumem records events on it when the buffer is freed and when the cache
+    /// is emptied. (The per-thread default stream is refused.)
     pub unsafe fn alloc_on_raw(&self, bytes: u64, stream: u64) -> Result<DeviceBuffer, AllocError> {
+        if stream as usize == PER_THREAD_STREAM {
+            return Err(per_thread_stream_error());
+        }
         // SAFETY: the caller guarantees that `stream` is a live stream of this context that
         // outlives the wrapper (which never destroys it).
         let s = unsafe {
@@ -172,13 +229,15 @@ impl CudaDevices {
 
 /// Device memory from a [`CudaAllocator`], returned to it when dropped.
 ///
-/// It works with cudarc: it implements [`DevicePtr`] and [`DevicePtrMut`] (for any element
-/// type: its length is its bytes divided by the element's size), so cudarc's copies take it,
-/// and `LaunchArgs::arg(&buffer)` passes its address to a kernel. Using it on a stream other
-/// than the one it was allocated on through `device_ptr`/`device_ptr_mut` marks it as used there
-/// (like PyTorch's `Tensor.record_stream`); a kernel launched on another stream needs an explicit
-/// [`DeviceBuffer::record_stream`], since cudarc's launch builder does not say which stream it
-/// launches on.
+/// It works with cudarc: it implements [`DevicePtr`] and [`DevicePtrMut`] for the [`Plain`]
+/// element types (its length is its bytes divided by the element's size), so cudarc's copies
+/// take it, and `LaunchArgs::arg(&buffer)` passes its address to a kernel. A copy on another
+/// stream than the buffer's own first waits for the buffer's stream; it is then marked as used
+/// there (like PyTorch's `Tensor.record_stream`) if the allocator keeps that stream (it was
+/// allocated on or passed to [`DeviceBuffer::record_stream`] before), and otherwise waited for
+/// on the host once queued. A kernel launched on another stream needs an explicit
+/// [`DeviceBuffer::record_stream`] and the streams' order (`stream.join`), since cudarc's launch
+/// builder does not say which stream it launches on.
 pub struct DeviceBuffer {
     owner: CudaAllocator,
     a: Allocation,
@@ -229,10 +288,15 @@ impl DeviceBuffer {
     }
 
     /// Marks the buffer as used on `stream` too: once freed, its memory is reused only after
-    /// the work queued on `stream` by then has completed.
-    pub fn record_stream(&self, stream: &CudaStream) -> Result<(), AllocError> {
-        self.owner
-            .engine()
+    /// the work queued on `stream` by then has completed. The stream must be of the buffer's
+    /// context (and not the per-thread default stream); the allocator keeps it alive from now
+    /// on, as for [`CudaAllocator::alloc`].
+    pub fn record_stream(&self, stream: &Arc<CudaStream>) -> Result<(), AllocError> {
+        let shared = &self.owner.shared;
+        shared.check_stream(stream)?;
+        shared.keep(stream);
+        shared
+            .engine
             .record_stream(self.a.ptr, stream.cu_stream() as usize as u64)
     }
 
@@ -240,21 +304,53 @@ impl DeviceBuffer {
     ///
     /// # Safety
     ///
-    /// `stream` must be 0 or a live stream of the buffer's context until the buffer has been
-    /// dropped (an event is recorded on it then).
+    /// `stream` must be 0 or a live stream of the buffer's context, and must outlive the
+    /// allocator (events are recorded on it when the buffer is freed and when the cache is
+    /// emptied).
     pub unsafe fn record_stream_raw(&self, stream: u64) -> Result<(), AllocError> {
+        if stream as usize == PER_THREAD_STREAM {
+            return Err(per_thread_stream_error());
+        }
         self.owner.engine().record_stream(self.a.ptr, stream)
     }
 
-    fn note_use(&self, stream: &CudaStream) {
-        if stream.cu_stream() != self.stream.cu_stream() {
-            if let Err(e) = self.record_stream(stream) {
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "gpumem: cannot mark {:#x} as used on another stream: {e}",
-                    self.a.ptr
-                );
-            }
+    /// cudarc hands the buffer to work on `stream`. On another stream than its own, that
+    /// stream first waits for the work queued on the buffer's stream (cudarc's contract for
+    /// `device_ptr`: the use sees earlier writes). Then, if the allocator keeps `stream` alive
+    /// (it was allocated on or passed to [`DeviceBuffer::record_stream`]), the buffer is marked
+    /// as used there; otherwise the use is waited for on the host when cudarc is done queueing
+    /// it (the `SyncOnDrop` returned), since a use recorded on a stream that may be destroyed
+    /// before the buffer would be an event on a dead handle at the free.
+    fn note_use<'a>(&self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+        if stream.cu_stream() == self.stream.cu_stream() {
+            return SyncOnDrop::Sync(None);
+        }
+        let kept = self
+            .owner
+            .shared
+            .streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|s| s.cu_stream() == stream.cu_stream())
+            .cloned();
+        let outcome = stream
+            .join(&self.stream)
+            .map_err(|e| AllocError::Config(format!("cannot order the streams: {e}")))
+            .and_then(|()| match &kept {
+                Some(s) => self.record_stream(s),
+                None => Ok(()),
+            });
+        if let Err(e) = outcome {
+            let _ = writeln!(
+                std::io::stderr(),
+                "gpumem: using {:#x} on another stream: {e}",
+                self.a.ptr
+            );
+        }
+        match kept {
+            Some(_) => SyncOnDrop::Sync(None),
+            None => SyncOnDrop::Sync(Some(stream)),
         }
     }
 }
@@ -272,7 +368,24 @@ impl Drop for DeviceBuffer {
     }
 }
 
-impl<T> DeviceSlice<T> for DeviceBuffer {
+/// Element types a [`DeviceBuffer`] may be read as through cudarc: plain numbers, for which
+/// every bit pattern is a valid value (the buffer holds untyped bytes, so reading it as `bool`
+/// or a type with a niche could make an invalid value without `unsafe`). Sealed.
+pub trait Plain: cudarc::driver::DeviceRepr + sealed::Sealed {}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! plain {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Plain for $t {}
+    )*};
+}
+plain!(u8, i8, u16, i16, u32, i32, u64, i64, usize, isize, f32, f64);
+
+impl<T: Plain> DeviceSlice<T> for DeviceBuffer {
     fn len(&self) -> usize {
         (self.requested as usize)
             .checked_div(std::mem::size_of::<T>())
@@ -284,21 +397,21 @@ impl<T> DeviceSlice<T> for DeviceBuffer {
     }
 }
 
-impl<T> DevicePtr<T> for DeviceBuffer {
+// Work queued later on the buffer's own stream is ordered after a use on another stream only
+// where the use was waited for (a stream the allocator does not keep); otherwise that is the
+// caller's (`own.join(&other)`), as for a raw pointer.
+impl<T: Plain> DevicePtr<T> for DeviceBuffer {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        self.note_use(stream);
-        // Ordering between streams is the caller's, as with a raw pointer: nothing to record.
-        (self.a.ptr, SyncOnDrop::Sync(None))
+        (self.a.ptr, self.note_use(stream))
     }
 }
 
-impl<T> DevicePtrMut<T> for DeviceBuffer {
+impl<T: Plain> DevicePtrMut<T> for DeviceBuffer {
     fn device_ptr_mut<'a>(
         &'a mut self,
         stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        self.note_use(stream);
-        (self.a.ptr, SyncOnDrop::Sync(None))
+        (self.a.ptr, self.note_use(stream))
     }
 }
 

@@ -201,9 +201,10 @@ impl CudaBackend {
         self.physical
     }
 
+    /// Makes the device's context current for one call (the caller's is put back after).
     #[inline]
-    fn bind(&self) -> Result<(), BackendError> {
-        bind(&self.ctx)
+    fn bind(&self) -> Result<driver::ScopedContext, BackendError> {
+        driver::bind_scoped(&self.ctx)
     }
 
     #[inline]
@@ -272,10 +273,13 @@ impl CudaBackend {
     /// Returns everything still held to the device (at drop).
     fn release_everything(&mut self) -> Vec<String> {
         let mut errors = Vec::new();
-        if let Err(e) = self.bind() {
-            errors.push(e.to_string());
-            return errors;
-        }
+        let _ctx = match self.bind() {
+            Ok(g) => g,
+            Err(e) => {
+                errors.push(e.to_string());
+                return errors;
+            }
+        };
         // Work queued on the memory must finish before it is unmapped or freed.
         if let Err(e) = driver::ctx_synchronize() {
             errors.push(e.to_string());
@@ -345,7 +349,7 @@ impl Backend for CudaBackend {
     }
 
     fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         driver::mem_get_info()
     }
 
@@ -353,7 +357,7 @@ impl Backend for CudaBackend {
         if bytes == 0 {
             return Err(BackendError::new(DriverCall::MemAlloc, "size 0"));
         }
-        self.bind()?;
+        let _ctx = self.bind()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: `p` is a valid place for the pointer; a context is current.
         check(DriverCall::MemAlloc, unsafe {
@@ -380,7 +384,7 @@ impl Backend for CudaBackend {
                 ))
             }
         }
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: `ptr` is a live segment of this backend (checked above).
         check(DriverCall::MemFree, unsafe { sys::cuMemFree_v2(ptr) })?;
         self.segments.remove(&ptr);
@@ -390,7 +394,7 @@ impl Backend for CudaBackend {
 
     fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
         let page = self.vmm_pages(DriverCall::AddressReserve, bytes)?;
-        self.bind()?;
+        let _ctx = self.bind()?;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: `va` is a valid place; size and alignment are multiples of the granularity.
         check(DriverCall::AddressReserve, unsafe {
@@ -413,7 +417,7 @@ impl Backend for CudaBackend {
                 format!("{va:#x}+{bytes} still has mappings"),
             ));
         }
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: a range this backend reserved, with nothing mapped in it (checked above).
         check(DriverCall::AddressFree, unsafe {
             sys::cuMemAddressFree(va, bytes as usize)
@@ -424,7 +428,7 @@ impl Backend for CudaBackend {
 
     fn mem_create(&mut self, bytes: u64) -> Result<PhysHandle, BackendError> {
         self.vmm_pages(DriverCall::MemCreate, bytes)?;
-        self.bind()?;
+        let _ctx = self.bind()?;
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `h` is a valid place; `prop` describes pinned memory on this device; the size
         // is a multiple of the granularity.
@@ -449,7 +453,7 @@ impl Backend for CudaBackend {
                 format!("handle {:#x} is still mapped {maps} time(s)", handle.0),
             ));
         }
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: a handle this backend created, not mapped anywhere (checked above).
         check(DriverCall::MemRelease, unsafe {
             sys::cuMemRelease(handle.0)
@@ -475,7 +479,7 @@ impl Backend for CudaBackend {
                 ))
             }
         }
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: a live handle of exactly `bytes`; the driver checks that `va` lies in a
         // reserved range and is not mapped already.
         check(DriverCall::MemMap, unsafe {
@@ -489,7 +493,7 @@ impl Backend for CudaBackend {
     }
 
     fn mem_unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: the driver checks that the range consists of whole mappings; the engine
         // waits for the streams that used it before asking (as PyTorch does).
         check(DriverCall::MemUnmap, unsafe {
@@ -511,7 +515,7 @@ impl Backend for CudaBackend {
     }
 
     fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         let desc = self.access_desc();
         // SAFETY: `desc` is one valid descriptor (read/write for this device); the driver
         // checks that the range is mapped.
@@ -521,7 +525,7 @@ impl Backend for CudaBackend {
     }
 
     fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
-        self.bind()?;
+        let _ctx = self.bind()?;
         let ev = match self.idle_events.pop() {
             Some(e) => e,
             None => {
@@ -550,7 +554,7 @@ impl Backend for CudaBackend {
 
     fn event_query(&mut self, event: EventHandle) -> Result<bool, BackendError> {
         let ev = self.known_event(DriverCall::EventQuery, event)?;
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: a live event of this backend.
         match unsafe { sys::cuEventQuery(ev) } {
             CUresult::CUDA_SUCCESS => Ok(true),
@@ -561,7 +565,7 @@ impl Backend for CudaBackend {
 
     fn event_synchronize(&mut self, event: EventHandle) -> Result<(), BackendError> {
         let ev = self.known_event(DriverCall::EventSynchronize, event)?;
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: a live event of this backend.
         check(DriverCall::EventSynchronize, unsafe {
             sys::cuEventSynchronize(ev)
@@ -581,7 +585,7 @@ impl Backend for CudaBackend {
         event: EventHandle,
     ) -> Result<(), BackendError> {
         let ev = self.known_event(DriverCall::StreamWaitEvent, event)?;
-        self.bind()?;
+        let _ctx = self.bind()?;
         // SAFETY: a live event of this backend; the stream is the caller's (see event_record).
         check(DriverCall::StreamWaitEvent, unsafe {
             sys::cuStreamWaitEvent(self.real_stream(stream), ev, 0)

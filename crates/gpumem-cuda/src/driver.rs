@@ -114,6 +114,9 @@ fn probe_and_init() -> Result<(), String> {
 
 /// `NAME: description` of a driver result.
 pub fn describe(r: CUresult) -> String {
+    if load().is_err() {
+        return format!("{r:?}"); // no driver to ask for the text (and cudarc would panic)
+    }
     let mut name: *const std::ffi::c_char = std::ptr::null();
     let mut text: *const std::ffi::c_char = std::ptr::null();
     // SAFETY: both calls write a pointer to a static string owned by the driver (or fail and
@@ -189,8 +192,52 @@ pub fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// A context made current for the length of one call, and the caller's context put back when
+/// it ends (see [`bind_scoped`]).
+#[must_use = "the caller's context is put back when the guard drops"]
+pub struct ScopedContext {
+    /// The context current before, if it had to be changed.
+    previous: Option<sys::CUcontext>,
+}
+
+impl Drop for ScopedContext {
+    fn drop(&mut self) {
+        if let Some(prev) = self.previous {
+            // SAFETY: `prev` was the calling thread's current context (or null, none) when the
+            // guard was made on this thread (the guard is neither Send nor Sync: it holds a raw
+            // pointer), and a context current on a thread stays alive while it is current. A
+            // failure leaves gpumem's context current, which is what `bind` did before; there
+            // is nowhere to report it from a drop.
+            let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+        }
+    }
+}
+
+/// [`bind`] for one call: makes `ctx` current and puts the caller's own context back when the
+/// guard drops (a thread that had none keeps `ctx`). A free reached from PyTorch on a thread whose current device is another GPU
+/// must not leave that thread on gpumem's device: the CUDA runtime takes the current context
+/// as the current device.
+#[inline]
+pub fn bind_scoped(ctx: &CudaContext) -> Result<ScopedContext, BackendError> {
+    let want = ctx.cu_ctx();
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a context exists, so the driver is loaded; `cur` is a valid place for the result.
+    check_named("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
+    if cur == want {
+        return Ok(ScopedContext { previous: None });
+    }
+    // SAFETY: `want` is the context `ctx` owns (retained for as long as `ctx` lives).
+    check_named("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(want) })?;
+    // A thread that had no context keeps the device's (as `bind` leaves it): PyTorch's worker
+    // threads then find it current at their next call, and nothing of theirs is displaced.
+    Ok(ScopedContext {
+        previous: (!cur.is_null()).then_some(cur),
+    })
+}
+
 /// (free, total) bytes of the current context's device.
 pub fn mem_get_info() -> Result<(u64, u64), BackendError> {
+    load()?;
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: both pointers are valid places for the results; a context is current (callers
     // bind first).
@@ -202,6 +249,7 @@ pub fn mem_get_info() -> Result<(u64, u64), BackendError> {
 
 /// Waits for all work of the current context.
 pub fn ctx_synchronize() -> Result<(), BackendError> {
+    load()?;
     // SAFETY: no arguments; a context is current (callers bind first).
     check_named("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }
@@ -210,4 +258,24 @@ pub fn ctx_synchronize() -> Result<(), BackendError> {
 #[inline]
 pub fn cu_stream(s: u64) -> sys::CUstream {
     s as usize as sys::CUstream
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver the public helpers return the error (cudarc's lazily loaded symbols
+    /// would panic if they were called).
+    #[test]
+    fn helpers_without_a_driver_return_errors() {
+        // SAFETY: only tries to dlopen libcuda.
+        if unsafe { sys::is_culib_present() } {
+            eprintln!("not run: a driver is present (the GPU tests cover this machine)");
+            return;
+        }
+        assert!(mem_get_info().is_err());
+        assert!(ctx_synchronize().is_err());
+        let e = check(DriverCall::MemAlloc, CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
+        assert!(e.to_string().contains("CUDA_ERROR_INVALID_VALUE"), "{e}");
+    }
 }

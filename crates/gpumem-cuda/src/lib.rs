@@ -28,7 +28,7 @@ pub mod bench;
 pub mod driver;
 pub mod replay;
 
-pub use allocator::{CudaAllocator, CudaDevices, DeviceBuffer};
+pub use allocator::{CudaAllocator, CudaDevices, DeviceBuffer, Plain};
 pub use backend::{CudaBackend, PhysicalProbe};
 
 use gpumem_core::backend::{Backend, DriverCall};

@@ -452,3 +452,162 @@ fn replay_writes_every_block_and_returns_the_memory() {
         assert!(r.not_returned_bytes <= 4 << 20, "{r:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The Rust API's contract with its callers (a review of 2026-12-01 found each of these broken:
+// safe code crashed the process, or read or reused memory out of order).
+// ---------------------------------------------------------------------------------------------
+
+fn current_context() -> sys::CUcontext {
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid place for the result; the driver is loaded (a context exists).
+    let r = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS);
+    cur
+}
+
+/// Queues a memset of `v` over the first `bytes` of the block at `ptr` on `s`.
+fn memset32(ptr: u64, v: u32, bytes: u64, s: sys::CUstream) {
+    // SAFETY: callers pass a live block of at least `bytes` bytes and a live stream.
+    let r = unsafe { sys::cuMemsetD32Async(ptr, v, (bytes / 4) as usize, s) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuMemsetD32Async");
+}
+
+/// The first word of the block at `ptr`, once the device is idle.
+fn first_word(ctx: &Arc<CudaContext>, ptr: u64) -> u32 {
+    ctx.synchronize().expect("synchronize");
+    let mut w = 0u32;
+    // SAFETY: 4 bytes from a live block into `w`.
+    let r = unsafe { sys::cuMemcpyDtoH_v2(&mut w as *mut u32 as *mut _, ptr, 4) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuMemcpyDtoH");
+    w
+}
+
+/// Keeps `s` busy for about 100 ms writing `busy` (a block of its own).
+fn keep_busy(busy: &DeviceBuffer, s: sys::CUstream) {
+    for i in 0..300u32 {
+        memset32(busy.ptr(), i, busy.len_bytes(), s);
+    }
+}
+
+const EARLY: u32 = 0xAAAA_AAAA;
+const LATE: u32 = 0xBBBB_BBBB;
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn calls_put_the_callers_context_back() {
+    let _g = exclusive();
+    let a = gpu(PolicyKind::Native, "");
+    let s = a.context().new_stream().expect("stream");
+    let mine = CudaContext::new_non_primary(0, 0).expect("a context of this thread's own");
+    mine.bind_to_thread().expect("bind");
+    let buf = a.alloc(8 * MIB, &s).expect("alloc");
+    assert_eq!(current_context(), mine.cu_ctx(), "after an allocation");
+    drop(buf);
+    a.empty_cache().expect("empty_cache");
+    assert_eq!(
+        current_context(),
+        mine.cu_ctx(),
+        "after a free and empty_cache"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streams_of_another_context_and_the_per_thread_stream_are_refused() {
+    let _g = exclusive();
+    let a = gpu(PolicyKind::Caching, "");
+    let s = a.context().new_stream().expect("stream");
+    let other = CudaContext::new_non_primary(0, 0).expect("another context");
+    let foreign = other.new_stream().expect("a stream of the other context");
+    let buf = a.alloc(8 * MIB, &s).expect("alloc");
+    let e = buf.record_stream(&foreign).unwrap_err().to_string();
+    assert!(e.contains("another context"), "{e}");
+    drop(buf);
+    assert_eq!(
+        a.memory_stats().allocated_bytes.all.current,
+        0,
+        "freed at drop"
+    );
+    let e = a.alloc(MIB, &a.context().per_thread_stream()).unwrap_err();
+    assert!(e.to_string().contains("per-thread default stream"), "{e}");
+}
+
+/// Streams dropped by the caller stay alive in the allocator: the free's event on a stream the
+/// buffer was used on, empty_cache's events, and a new stream's handle all stay valid.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streams_dropped_by_the_caller_stay_valid_for_the_allocator() {
+    let _g = exclusive();
+    // A buffer used on a stream dropped before it (idle: the driver would destroy it at once).
+    let a = gpu(PolicyKind::Caching, "");
+    let s1 = a.context().new_stream().expect("stream");
+    let buf = a.alloc(MIB, &s1).expect("alloc");
+    {
+        let s2 = a.context().new_stream().expect("stream");
+        buf.record_stream(&s2).expect("record_stream");
+        let v: Vec<u8> = s2.clone_dtoh(&buf).expect("copy on s2");
+        assert_eq!(v.len() as u64, MIB);
+    }
+    drop(buf);
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+    // The same through cudarc alone, on a stream the allocator was never told of.
+    let buf = a.alloc(MIB, &s1).expect("alloc");
+    {
+        let s3 = a.context().new_stream().expect("stream");
+        let v: Vec<u8> = s3.clone_dtoh(&buf).expect("copy on s3");
+        assert_eq!(v.len() as u64, MIB);
+    }
+    drop(buf);
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+    // empty_cache after the pool's stream was dropped (expandable records before unmapping).
+    let a = gpu(PolicyKind::Expandable, "");
+    let s = a.context().new_stream().expect("stream");
+    drop(a.alloc(64 * MIB, &s).expect("alloc"));
+    drop(s);
+    a.empty_cache().expect("empty_cache");
+    assert_eq!(a.engine().held_bytes(), 0);
+    // A new stream never inherits the blocks of a dropped one whose work is still running.
+    let a = gpu(PolicyKind::Caching, "");
+    let keep = a.context().new_stream().expect("stream");
+    let s1 = a.context().new_stream().expect("stream");
+    let busy = a.alloc(1 << 30, &keep).expect("busy");
+    let buf = a.alloc(64 * MIB, &s1).expect("alloc");
+    let old = buf.ptr();
+    keep_busy(&busy, keep.cu_stream());
+    s1.wait(&keep.record_event(None).expect("event"))
+        .expect("wait");
+    memset32(buf.ptr(), EARLY, buf.len_bytes(), s1.cu_stream());
+    drop(buf);
+    drop(s1);
+    let s2 = a.context().new_stream().expect("stream");
+    let b2 = a.alloc(64 * MIB, &s2).expect("alloc");
+    memset32(b2.ptr(), LATE, b2.len_bytes(), s2.cu_stream());
+    let w = first_word(a.context(), b2.ptr());
+    assert!(
+        b2.ptr() != old || w == LATE,
+        "the new stream got the block the dropped stream was still writing (read {w:#x})"
+    );
+}
+
+/// cudarc's contract for `device_ptr`: the stream waits for earlier writes to the memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_copy_on_another_stream_sees_the_buffers_writes() {
+    let _g = exclusive();
+    let a = gpu(PolicyKind::Caching, "");
+    let s1 = a.context().new_stream().expect("stream");
+    let s2 = a.context().new_stream().expect("stream");
+    let busy = a.alloc(1 << 30, &s1).expect("busy");
+    let buf = a.alloc(4 * MIB, &s1).expect("alloc");
+    memset32(buf.ptr(), 0, buf.len_bytes(), s1.cu_stream());
+    s1.synchronize().expect("synchronize");
+    keep_busy(&busy, s1.cu_stream());
+    memset32(buf.ptr(), EARLY, buf.len_bytes(), s1.cu_stream()); // lands after ~100 ms
+    let host: Vec<u32> = s2.clone_dtoh(&buf).expect("copy on s2");
+    let stale = host.iter().filter(|&&w| w != EARLY).count();
+    assert_eq!(
+        stale, 0,
+        "the copy on s2 read {stale} words before s1's write"
+    );
+}
