@@ -207,9 +207,9 @@ pub fn replay(
     )
 }
 
-/// A function given every block the replay allocates (address, bytes): the CUDA replay
-/// writes into them.
-pub type TouchFn<'a> = &'a (dyn Fn(u64, u64) + Sync);
+/// A function given every block the replay allocates (address, bytes, the trace's stream): the
+/// CUDA replay writes into them, on the stream standing for the trace's.
+pub type TouchFn<'a> = &'a (dyn Fn(u64, u64, Stream) + Sync);
 
 /// Replays `trace` under `policy` on any backend. With `events` (a simulated device), stream
 /// uses complete where the trace says; without, they complete when the device says.
@@ -291,7 +291,7 @@ pub fn replay_on(
                         allocs += 1;
                         live_now += e.size;
                         if let Some(t) = touch {
-                            t(a.ptr, e.size);
+                            t(a.ptr, e.size, e.stream);
                         }
                         blocks.insert((e.stream, e.addr), (a, e.size));
                     }

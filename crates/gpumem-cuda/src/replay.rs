@@ -21,7 +21,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use gpumem_core::backend::Backend;
 use gpumem_core::policy::PolicyKind;
 use gpumem_core::replay::{replay, replay_on, ReplayOptions, OTHER_STREAM};
-use gpumem_core::trace::{Kind, Trace};
+use gpumem_core::trace::Trace;
 use gpumem_core::units::format_size;
 use gpumem_core::Config;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -169,8 +169,6 @@ pub struct GpuReplay {
     streams: Vec<Arc<CudaStream>>,
     /// The stream that cross-stream uses are recorded on.
     other: Arc<CudaStream>,
-    /// (requested size, real stream) of every allocation of the trace, in order.
-    allocs: Vec<(u64, u64)>,
 }
 
 impl GpuReplay {
@@ -191,23 +189,12 @@ impl GpuReplay {
             .map(|_| make())
             .collect::<Result<Vec<_>, _>>()?;
         let other = make()?;
-        let real = |id: u64| {
-            let i = stream_ids.iter().position(|&s| s == id).unwrap_or(0);
-            streams[i].cu_stream() as usize as u64
-        };
-        let allocs = trace
-            .events
-            .iter()
-            .filter(|e| e.kind == Kind::Alloc && e.size > 0)
-            .map(|e| (e.size, real(e.stream)))
-            .collect();
         let g = Self {
             ctx,
             name,
             stream_ids,
             streams,
             other,
-            allocs,
         };
         g.warm_up()?;
         Ok(g)
@@ -288,8 +275,14 @@ impl GpuReplay {
         let probe = PhysicalProbe::new(baseline_free);
         backend.set_probe(probe.clone());
 
-        let toucher = Toucher::new(&self.allocs);
-        let touch = |ptr: u64, bytes: u64| toucher.touch(ptr, bytes);
+        let real: Vec<(u64, u64)> = self
+            .stream_ids
+            .iter()
+            .zip(&self.streams)
+            .map(|(&id, s)| (id, s.cu_stream() as usize as u64))
+            .collect();
+        let toucher = Toucher::new(&real);
+        let touch = |ptr: u64, bytes: u64, stream: u64| toucher.touch(ptr, bytes, stream);
         let progress = AtomicU64::new(0);
         let n = trace.events.len() as u64;
         let done = AtomicU64::new(0);
@@ -369,43 +362,39 @@ impl GpuReplay {
     }
 }
 
-/// Writes each allocated block on its stream. `replay_on` calls it once per successful
-/// allocation, in trace order, with the requested size; the allocation's stream is found by
-/// walking the trace's allocations in step (an allocation that failed is skipped over: the next
-/// one of the same size is the one being touched).
+/// Writes each allocated block on its stream: the created stream standing for the trace's
+/// stream the allocation was made on.
 struct Toucher<'a> {
-    allocs: &'a [(u64, u64)],
-    next: AtomicUsize,
+    /// (trace stream, created stream's raw handle).
+    streams: &'a [(u64, u64)],
+    count: AtomicUsize,
     bytes: AtomicU64,
     first_error: Mutex<Option<String>>,
 }
 
 impl<'a> Toucher<'a> {
-    fn new(allocs: &'a [(u64, u64)]) -> Self {
+    fn new(streams: &'a [(u64, u64)]) -> Self {
         Self {
-            allocs,
-            next: AtomicUsize::new(0),
+            streams,
+            count: AtomicUsize::new(0),
             bytes: AtomicU64::new(0),
             first_error: Mutex::new(None),
         }
     }
 
-    fn touch(&self, ptr: u64, bytes: u64) {
-        let mut i = self.next.load(Ordering::Relaxed);
-        while i < self.allocs.len() && self.allocs[i].0 != bytes {
-            i += 1;
-        }
-        let Some(&(_, stream)) = self.allocs.get(i) else {
+    fn touch(&self, ptr: u64, bytes: u64, trace_stream: u64) {
+        let Some(&(_, stream)) = self.streams.iter().find(|&&(id, _)| id == trace_stream) else {
             self.fail(format!(
-                "allocation of {bytes} bytes at {ptr:#x} is not in the trace"
+                "allocation of {bytes} bytes at {ptr:#x} on stream {trace_stream:#x}, which is \
+                 not in the trace"
             ));
             return;
         };
-        self.next.store(i + 1, Ordering::Relaxed);
         // A different byte for neighbouring blocks.
-        let value = (i % 251 + 1) as u8;
+        let value = (self.count.fetch_add(1, Ordering::Relaxed) % 251 + 1) as u8;
         // SAFETY: `ptr` is a block of at least `bytes` bytes the allocator just handed out on
-        // this device, `stream` a live stream of the current context.
+        // this device, `stream` a live stream of the current context (created for the replay
+        // and alive until it ends).
         let r = unsafe { sys::cuMemsetD8Async(ptr, value, bytes as usize, cu_stream(stream)) };
         if r == CUresult::CUDA_SUCCESS {
             self.bytes.fetch_add(bytes, Ordering::Relaxed);
