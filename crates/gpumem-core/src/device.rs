@@ -48,6 +48,9 @@ pub struct SegmentEvent {
     pub bytes: u64,
     /// Microseconds since the Unix epoch.
     pub time_us: u64,
+    /// For a map or unmap: the stream whose policy reserved the virtual range (and so owns
+    /// the mapping), and that range's pool.
+    pub owner: Option<(Stream, Pool)>,
 }
 
 /// Segment events not yet collected by the tracker, and the virtual ranges mapped now
@@ -59,12 +62,19 @@ struct SegmentTrace {
 }
 
 impl SegmentTrace {
-    fn push(&mut self, action: SegmentAction, addr: DevPtr, bytes: u64) {
+    fn push(
+        &mut self,
+        action: SegmentAction,
+        addr: DevPtr,
+        bytes: u64,
+        owner: Option<(Stream, Pool)>,
+    ) {
         self.pending.push(SegmentEvent {
             action,
             addr,
             bytes,
             time_us: crate::engine::track::now_us(),
+            owner,
         });
         match action {
             SegmentAction::Map => {
@@ -131,6 +141,9 @@ pub struct DeviceState {
     reserve: Reserve,
     segment_log: Option<Vec<u64>>,
     segment_trace: Option<SegmentTrace>,
+    /// Virtual ranges reserved, by start: (bytes, the stream and pool of the policy that
+    /// reserved it). What a mapping belongs to, for histories and snapshots.
+    reservations: BTreeMap<DevPtr, (u64, Stream, Pool)>,
 }
 
 /// A device shared by the allocator's stream shards.
@@ -156,6 +169,7 @@ impl Device {
                 reserve: Reserve::default(),
                 segment_log: None,
                 segment_trace: None,
+                reservations: BTreeMap::new(),
             }),
             info,
         }
@@ -255,9 +269,33 @@ impl DeviceState {
     }
 
     fn trace(&mut self, action: SegmentAction, addr: DevPtr, bytes: u64) {
-        if let Some(t) = self.segment_trace.as_mut() {
-            t.push(action, addr, bytes);
+        if self.segment_trace.is_none() {
+            return;
         }
+        let owner = match action {
+            SegmentAction::Map | SegmentAction::Unmap => self.reservation_of(addr),
+            SegmentAction::Alloc | SegmentAction::Free => None,
+        };
+        if let Some(t) = self.segment_trace.as_mut() {
+            t.push(action, addr, bytes, owner);
+        }
+    }
+
+    /// The stream and pool of the reserved virtual range containing `addr`.
+    pub fn reservation_of(&self, addr: DevPtr) -> Option<(Stream, Pool)> {
+        self.reservations
+            .range(..=addr)
+            .next_back()
+            .filter(|(&base, &(len, _, _))| addr < base + len)
+            .map(|(_, &(_, stream, pool))| (stream, pool))
+    }
+
+    /// Every reserved virtual range: (start, bytes, stream, pool), by address.
+    pub fn reservations(&self) -> Vec<(DevPtr, u64, Stream, Pool)> {
+        self.reservations
+            .iter()
+            .map(|(&a, &(len, stream, pool))| (a, len, stream, pool))
+            .collect()
     }
 
     /// Runs one backend call covering `bytes` made of `handles` physical handles: counted
@@ -404,16 +442,25 @@ impl DeviceState {
         ranges.insert(ptr, bytes);
     }
 
-    /// Reserves a virtual range.
-    pub fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
-        self.call(DriverCall::AddressReserve, 0, 0, |b| {
+    /// Reserves a virtual range for the policy of `stream` (its `pool`).
+    pub fn address_reserve(
+        &mut self,
+        bytes: u64,
+        stream: Stream,
+        pool: Pool,
+    ) -> Result<DevPtr, BackendError> {
+        let va = self.call(DriverCall::AddressReserve, 0, 0, |b| {
             b.address_reserve(bytes)
-        })
+        })?;
+        self.reservations.insert(va, (bytes, stream, pool));
+        Ok(va)
     }
 
     /// Returns a virtual range.
     pub fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
-        self.call(DriverCall::AddressFree, 0, 0, |b| b.address_free(va, bytes))
+        self.call(DriverCall::AddressFree, 0, 0, |b| b.address_free(va, bytes))?;
+        self.reservations.remove(&va);
+        Ok(())
     }
 
     /// A physical page for `pool`: from the preallocated reserve if any is left, else created.
@@ -566,7 +613,7 @@ mod tests {
     fn virtual_memory_calls_cost_per_handle_not_per_byte() {
         let d = dev();
         let mut s = d.lock();
-        let va = s.address_reserve(64 * MIB).unwrap();
+        let va = s.address_reserve(64 * MIB, 0, Pool::Large).unwrap();
         let before = s.calls().est_seconds();
         // One 32 MiB handle: one create, one map, access over one handle.
         let big = s.create_chunk(32 * MIB, Pool::Large).unwrap();
@@ -623,7 +670,7 @@ mod tests {
         let mut s = d.lock();
         s.trace_segments(true);
         let seg = s.alloc_segment(4 * MIB, Pool::Large).unwrap();
-        let va = s.address_reserve(64 * MIB).unwrap();
+        let va = s.address_reserve(64 * MIB, 0, Pool::Large).unwrap();
         let pages: Vec<_> = (0..3)
             .map(|_| s.create_page(Pool::Large).unwrap())
             .collect();

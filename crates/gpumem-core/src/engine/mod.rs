@@ -629,7 +629,9 @@ impl Allocator {
                 SegmentAction::Map => Action::SegmentMap,
                 SegmentAction::Unmap => Action::SegmentUnmap,
             };
-            t.record_at(action, e.addr, e.bytes, 0, e.time_us);
+            // Plain segments' streams are inferred by the snapshot; mappings carry theirs.
+            let stream = e.owner.map_or(0, |(s, _)| s);
+            t.record_at(action, e.addr, e.bytes, stream, e.time_us);
         }
     }
 

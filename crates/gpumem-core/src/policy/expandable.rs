@@ -106,7 +106,7 @@ impl Expandable {
             Pool::Large => LARGE_BUFFER,
         };
         let pages = (self.device_total + self.device_total / 8).div_ceil(page);
-        let base = d.address_reserve(pages * page)?;
+        let base = d.address_reserve(pages * page, self.stream, pool)?;
         self.segs.push(ExpSegment {
             base,
             page,

@@ -885,7 +885,9 @@ impl Stitched {
     }
 
     fn init(&mut self, dev: &Device) -> Result<(), BackendError> {
-        let base = dev.lock().address_reserve(self.va_bytes)?;
+        let base = dev
+            .lock()
+            .address_reserve(self.va_bytes, self.stream, Pool::Large)?;
         self.base = base;
         let pages = self.va_bytes >> self.shift;
         self.touch = vec![0; pages as usize];

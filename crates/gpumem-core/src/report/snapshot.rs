@@ -161,7 +161,10 @@ pub fn collect(alloc: &Allocator) -> Result<SnapshotData, String> {
         .with_tracker(|t| (t.history().cloned().collect(), t.live()))
         .unwrap_or_default();
     let infos = alloc.snapshot();
-    let mapped = alloc.device().lock().mapped_ranges();
+    let (mapped, reserved) = {
+        let d = alloc.device().lock();
+        (d.mapped_ranges(), d.reservations())
+    };
     let uses_pages = alloc.policy().uses_pages();
     let mut cache = FrameCache::default();
     let none: Frames = Arc::new(Vec::new());
@@ -186,7 +189,7 @@ pub fn collect(alloc: &Allocator) -> Result<SnapshotData, String> {
     };
 
     let segments = if uses_pages && !mapped.is_empty() {
-        mapped_segments(&infos, &mapped, &frames_at)?
+        mapped_segments(&infos, &mapped, &reserved, &frames_at)?
     } else {
         plain_segments(&infos, uses_pages, &frames_at)?
     };
@@ -334,34 +337,34 @@ fn plain_segments(
     Ok(out)
 }
 
-/// Segments of the virtual-memory policies: each mapped range, cut where another stream's
-/// range starts, with the policies' blocks inside it.
+/// Segments of the virtual-memory policies: each mapped range, cut where a reserved virtual
+/// range (one stream's, one pool's) starts, owned by that reservation, with the policies'
+/// blocks inside it.
 fn mapped_segments(
     infos: &[SegmentInfo],
     mapped: &[(u64, u64)],
+    reserved: &[(u64, u64, u64, Pool)],
     frames_at: &dyn Fn(u64) -> Frames,
 ) -> Result<Vec<SegmentOut>, String> {
-    let mut starts: Vec<(u64, u64, Pool)> =
-        infos.iter().map(|s| (s.addr, s.stream, s.pool)).collect();
-    starts.sort_unstable_by_key(|s| s.0);
+    // `reserved` is by address; a mapping lies inside one reservation.
+    let owner = |a: u64| {
+        let k = reserved.partition_point(|r| r.0 <= a);
+        (k > 0 && a < reserved[k - 1].0 + reserved[k - 1].1)
+            .then(|| (reserved[k - 1].2, reserved[k - 1].3))
+    };
     let mut blocks: Vec<&BlockInfo> = infos.iter().flat_map(|s| s.blocks.iter()).collect();
     blocks.sort_unstable_by_key(|b| b.addr);
     let mut out = Vec::new();
     for &(a, len) in mapped {
         let end = a + len;
-        // Cut points: policy ranges that start strictly inside this mapped range.
+        // Cut points: reservations that start strictly inside this (coalesced) mapped range.
         let mut cuts = vec![a];
-        cuts.extend(starts.iter().map(|s| s.0).filter(|&s| s > a && s < end));
+        cuts.extend(reserved.iter().map(|r| r.0).filter(|&r| r > a && r < end));
         cuts.push(end);
         for w in cuts.windows(2) {
             let (s, e) = (w[0], w[1]);
-            // Owner: the last policy range starting at or before s.
-            let k = starts.partition_point(|x| x.0 <= s);
-            let (stream, pool) = if k > 0 {
-                (starts[k - 1].1, starts[k - 1].2)
-            } else {
-                (0, Pool::Large)
-            };
+            let (stream, pool) = owner(s)
+                .ok_or_else(|| format!("mapped range {s:#x} lies in no reserved virtual range"))?;
             let first = blocks.partition_point(|b| b.addr + b.size <= s);
             let inside = blocks[first..].iter().take_while(|b| b.addr < e).copied();
             out.push(SegmentOut {
@@ -391,9 +394,10 @@ fn mapped_segments(
     Ok(out)
 }
 
-/// The stream of each segment entry of the history (the device does not know streams): that
-/// of the segment containing it now, else that of the first block allocated inside it, else
-/// that of the entry that created it.
+/// The stream of each segment entry of the history. Mappings carry the stream the device
+/// recorded for them (that of the reservation they are in); a plain segment's is that of the
+/// segment containing it now, else that of the first block allocated inside it, else that of
+/// the entry that created it.
 fn segment_event_streams(history: &[Record], segments: &[SegmentOut]) -> FxHashMap<usize, u64> {
     let is_seg = |a: Action| {
         matches!(
@@ -414,6 +418,11 @@ fn segment_event_streams(history: &[Record], segments: &[SegmentOut]) -> FxHashM
     let mut waiting: Vec<(u64, u64, usize)> = Vec::new();
     let mut by_start: BTreeMap<u64, u64> = BTreeMap::new();
     for (i, r) in history.iter().enumerate() {
+        if matches!(r.action, Action::SegmentMap | Action::SegmentUnmap) {
+            // The device recorded the stream whose reservation the mapping is in.
+            out.insert(i, r.stream);
+            continue;
+        }
         if is_seg(r.action) {
             if let Some(s) = now(r.addr) {
                 out.insert(i, s);

@@ -9,6 +9,7 @@ use crate::trace::Kind;
 use crate::units::{round_up, MIN_BLOCK};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// Width of the table between its outer bars (PyTorch's).
 const WIDTH: usize = 75;
@@ -410,11 +411,16 @@ pub fn snapshot_stats(snap: &Snapshot) -> SnapshotStats {
                     st.num_device_free += 1;
                     -1
                 };
-                let pool = seg_pool.get(&i).copied().unwrap_or(if e.size <= 2 << 20 {
+                // Unknown: a plain segment's size says its pool (PyTorch's small segments are
+                // 2 MiB); a mapping's does not (every page is 2 MiB), and gpumem maps large.
+                let by_size = if e.size <= 2 << 20
+                    && matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentFree)
+                {
                     Pool::Small
                 } else {
                     Pool::Large
-                });
+                };
+                let pool = seg_pool.get(&i).copied().unwrap_or(by_size);
                 reserved.undo(pool, sign * e.size as i64);
                 if matches!(e.kind, Kind::SegmentAlloc | Kind::SegmentFree) {
                     segment.undo(pool, sign);
@@ -506,8 +512,10 @@ fn segment_pools(snap: &Snapshot) -> FxHashMap<usize, Pool> {
                 }
             }
             Kind::Alloc if !waiting.is_empty() => {
+                // An allocation overlapping the range (a block may start before a mapped page
+                // and reach into it).
                 waiting.retain(|&(s, end, idx)| {
-                    if e.addr >= s && e.addr < end {
+                    if e.addr < end && e.addr.saturating_add(e.size) > s {
                         out.insert(idx, Pool::of(e.size));
                         false
                     } else {
@@ -518,17 +526,24 @@ fn segment_pools(snap: &Snapshot) -> FxHashMap<usize, Pool> {
             _ => {}
         }
     }
-    // A free whose segment is gone takes the pool of the matching allocation event.
-    let mut last: FxHashMap<u64, Pool> = FxHashMap::default();
+    // A free or unmap whose segment is gone takes the pool of the segment or mapping it ends
+    // (an unmap may cover part of a mapping, or several).
+    let mut last: BTreeMap<u64, (u64, Pool)> = BTreeMap::new();
     for (i, e) in events.iter().enumerate() {
         match e.kind {
             Kind::SegmentAlloc | Kind::SegmentMap => {
                 if let Some(&p) = out.get(&i) {
-                    last.insert(e.addr, p);
+                    last.insert(e.addr, (e.addr.saturating_add(e.size), p));
                 }
             }
             Kind::SegmentFree | Kind::SegmentUnmap if !out.contains_key(&i) => {
-                if let Some(&p) = last.get(&e.addr) {
+                let end = e.addr.saturating_add(e.size);
+                let hit = last
+                    .range(..end)
+                    .rev()
+                    .find(|&(_, &(stop, _))| stop > e.addr)
+                    .map(|(_, &(_, p))| p);
+                if let Some(p) = hit {
                     out.insert(i, p);
                 }
             }
