@@ -248,8 +248,20 @@ impl fmt::Display for LeakReport {
         if self.allocations.len() > LISTED {
             writeln!(f, "... and {} more", self.allocations.len() - LISTED)?;
         }
-        if let Some(a) = self.allocations.iter().find(|a| !a.frames.is_empty()) {
-            writeln!(f, "backtrace of the oldest ({:#x}):", a.addr)?;
+        // The allocations are oldest first; the first with a backtrace is the oldest only if
+        // every allocation before it was recorded with one.
+        if let Some((i, a)) = self
+            .allocations
+            .iter()
+            .enumerate()
+            .find(|(_, a)| !a.frames.is_empty())
+        {
+            let which = if i == 0 {
+                "the oldest"
+            } else {
+                "the oldest with one"
+            };
+            writeln!(f, "backtrace of {which} ({:#x}):", a.addr)?;
             for fr in &a.frames {
                 writeln!(f, "    {fr}")?;
             }
