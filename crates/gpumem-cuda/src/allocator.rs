@@ -371,6 +371,22 @@ impl Drop for DeviceBuffer {
 /// Element types a [`DeviceBuffer`] may be read as through cudarc: plain numbers, for which
 /// every bit pattern is a valid value (the buffer holds untyped bytes, so reading it as `bool`
 /// or a type with a niche could make an invalid value without `unsafe`). Sealed.
+///
+/// Bytes read back as numbers compile:
+///
+/// ```no_run
+/// # fn read(s: &std::sync::Arc<cudarc::driver::CudaStream>, b: &gpumem_cuda::DeviceBuffer) {
+/// let v: Vec<u8> = s.clone_dtoh(b).unwrap();
+/// # }
+/// ```
+///
+/// The same read as `bool` does not:
+///
+/// ```compile_fail
+/// # fn read(s: &std::sync::Arc<cudarc::driver::CudaStream>, b: &gpumem_cuda::DeviceBuffer) {
+/// let v: Vec<bool> = s.clone_dtoh(b).unwrap();
+/// # }
+/// ```
 pub trait Plain: cudarc::driver::DeviceRepr + sealed::Sealed {}
 
 mod sealed {
