@@ -1,6 +1,9 @@
 //! Helpers for tests of programs that use gpumem (and for gpumem's own tests).
 
+use crate::backend::sim::{SimBackend, SimConfig, SimControl};
+use crate::backend::{Backend, DeviceInfo, DriverCall, EventHandle, PhysHandle, Stream};
 use crate::engine::Allocator;
+use crate::error::BackendError;
 use crate::report::leaks::leak_report;
 use std::path::PathBuf;
 
@@ -102,5 +105,149 @@ mod tests {
             "the call site is named: {msg}"
         );
         assert!(msg.contains("12.06 KiB"), "{msg}");
+    }
+}
+
+/// Which driver calls a [`FaultySim`] fails. Cloned handles share one plan, so a test keeps
+/// one to change it while the allocator owns the backend.
+#[derive(Clone, Default)]
+pub struct Faults(std::sync::Arc<parking_lot::Mutex<FaultPlan>>);
+
+#[derive(Default)]
+struct FaultPlan {
+    /// Calls of this kind, after `skip` successful ones, fail `times` times.
+    nth: Option<(DriverCall, u64, u64)>,
+    /// Event records on this stream fail (a stream destroyed while a block was used on it).
+    refused_stream: Option<Stream>,
+}
+
+impl Faults {
+    /// Calls of `kind` fail `times` times, after `skip` that succeed.
+    pub fn arm(&self, kind: DriverCall, skip: u64, times: u64) {
+        self.0.lock().nth = Some((kind, skip, times));
+    }
+
+    /// Event records on `stream` fail until [`Faults::disarm`].
+    pub fn refuse_events_on(&self, stream: Stream) {
+        self.0.lock().refused_stream = Some(stream);
+    }
+
+    /// Every call succeeds again.
+    pub fn disarm(&self) {
+        *self.0.lock() = FaultPlan::default();
+    }
+
+    fn check(&self, kind: DriverCall) -> Result<(), BackendError> {
+        let mut plan = self.0.lock();
+        if let Some((k, skip, times)) = plan.nth.as_mut() {
+            if *k == kind {
+                if *skip > 0 {
+                    *skip -= 1;
+                } else if *times > 0 {
+                    *times -= 1;
+                    return Err(BackendError::new(kind, "injected failure"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_event_record(&self, stream: Stream) -> Result<(), BackendError> {
+        if self.0.lock().refused_stream == Some(stream) {
+            return Err(BackendError::new(
+                DriverCall::EventRecord,
+                "invalid resource handle (injected)",
+            ));
+        }
+        self.check(DriverCall::EventRecord)
+    }
+}
+
+/// The simulated device, with the driver calls [`Faults`] names failing: for tests of what
+/// the allocator keeps true when the driver refuses a call part-way through its work.
+pub struct FaultySim {
+    inner: SimBackend,
+    faults: Faults,
+}
+
+impl FaultySim {
+    /// A simulated device of `config`, its fault plan (empty: nothing fails yet), and the
+    /// simulation's control of events.
+    pub fn new(config: SimConfig) -> (Self, Faults, SimControl) {
+        let (inner, ctl) = SimBackend::new(config);
+        let faults = Faults::default();
+        (
+            Self {
+                inner,
+                faults: faults.clone(),
+            },
+            faults,
+            ctl,
+        )
+    }
+}
+
+impl Backend for FaultySim {
+    fn info(&self) -> DeviceInfo {
+        self.inner.info()
+    }
+    fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
+        self.faults.check(DriverCall::MemGetInfo)?;
+        self.inner.mem_get_info()
+    }
+    fn mem_alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {
+        self.faults.check(DriverCall::MemAlloc)?;
+        self.inner.mem_alloc(bytes)
+    }
+    fn mem_free(&mut self, ptr: u64, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::MemFree)?;
+        self.inner.mem_free(ptr, bytes)
+    }
+    fn address_reserve(&mut self, bytes: u64) -> Result<u64, BackendError> {
+        self.faults.check(DriverCall::AddressReserve)?;
+        self.inner.address_reserve(bytes)
+    }
+    fn address_free(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::AddressFree)?;
+        self.inner.address_free(va, bytes)
+    }
+    fn mem_create(&mut self, bytes: u64) -> Result<PhysHandle, BackendError> {
+        self.faults.check(DriverCall::MemCreate)?;
+        self.inner.mem_create(bytes)
+    }
+    fn mem_release(&mut self, h: PhysHandle) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::MemRelease)?;
+        self.inner.mem_release(h)
+    }
+    fn mem_map(&mut self, va: u64, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::MemMap)?;
+        self.inner.mem_map(va, bytes, h)
+    }
+    fn mem_unmap(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::MemUnmap)?;
+        self.inner.mem_unmap(va, bytes)
+    }
+    fn set_access(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::SetAccess)?;
+        self.inner.set_access(va, bytes)
+    }
+    fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
+        self.faults.check_event_record(stream)?;
+        self.inner.event_record(stream)
+    }
+    fn event_query(&mut self, e: EventHandle) -> Result<bool, BackendError> {
+        self.faults.check(DriverCall::EventQuery)?;
+        self.inner.event_query(e)
+    }
+    fn event_synchronize(&mut self, e: EventHandle) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::EventSynchronize)?;
+        self.inner.event_synchronize(e)
+    }
+    fn event_destroy(&mut self, e: EventHandle) {
+        self.inner.event_destroy(e)
+    }
+    fn stream_wait_event(&mut self, s: Stream, e: EventHandle) -> Result<(), BackendError> {
+        self.faults.check(DriverCall::StreamWaitEvent)?;
+        self.inner.stream_wait_event(s, e)
     }
 }

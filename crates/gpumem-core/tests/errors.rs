@@ -245,103 +245,12 @@ fn free_on_a_stream_finds_the_block_or_says_why_not() {
     }
 }
 
-/// The simulated device, except that recording an event on stream `refused` fails (a stream
-/// destroyed while a block used on it was still live).
-struct RefusesEvents {
-    inner: SimBackend,
-    refused: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl gpumem_core::backend::Backend for RefusesEvents {
-    fn info(&self) -> gpumem_core::backend::DeviceInfo {
-        self.inner.info()
-    }
-    fn mem_get_info(&mut self) -> Result<(u64, u64), gpumem_core::BackendError> {
-        self.inner.mem_get_info()
-    }
-    fn mem_alloc(&mut self, bytes: u64) -> Result<u64, gpumem_core::BackendError> {
-        self.inner.mem_alloc(bytes)
-    }
-    fn mem_free(&mut self, ptr: u64, bytes: u64) -> Result<(), gpumem_core::BackendError> {
-        self.inner.mem_free(ptr, bytes)
-    }
-    fn address_reserve(&mut self, bytes: u64) -> Result<u64, gpumem_core::BackendError> {
-        self.inner.address_reserve(bytes)
-    }
-    fn address_free(&mut self, va: u64, bytes: u64) -> Result<(), gpumem_core::BackendError> {
-        self.inner.address_free(va, bytes)
-    }
-    fn mem_create(
-        &mut self,
-        bytes: u64,
-    ) -> Result<gpumem_core::backend::PhysHandle, gpumem_core::BackendError> {
-        self.inner.mem_create(bytes)
-    }
-    fn mem_release(
-        &mut self,
-        h: gpumem_core::backend::PhysHandle,
-    ) -> Result<(), gpumem_core::BackendError> {
-        self.inner.mem_release(h)
-    }
-    fn mem_map(
-        &mut self,
-        va: u64,
-        bytes: u64,
-        h: gpumem_core::backend::PhysHandle,
-    ) -> Result<(), gpumem_core::BackendError> {
-        self.inner.mem_map(va, bytes, h)
-    }
-    fn mem_unmap(&mut self, va: u64, bytes: u64) -> Result<(), gpumem_core::BackendError> {
-        self.inner.mem_unmap(va, bytes)
-    }
-    fn set_access(&mut self, va: u64, bytes: u64) -> Result<(), gpumem_core::BackendError> {
-        self.inner.set_access(va, bytes)
-    }
-    fn event_record(
-        &mut self,
-        stream: u64,
-    ) -> Result<gpumem_core::backend::EventHandle, gpumem_core::BackendError> {
-        if stream == self.refused.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(gpumem_core::BackendError::new(
-                gpumem_core::backend::DriverCall::EventRecord,
-                "invalid resource handle (test)",
-            ));
-        }
-        self.inner.event_record(stream)
-    }
-    fn event_query(
-        &mut self,
-        e: gpumem_core::backend::EventHandle,
-    ) -> Result<bool, gpumem_core::BackendError> {
-        self.inner.event_query(e)
-    }
-    fn event_synchronize(
-        &mut self,
-        e: gpumem_core::backend::EventHandle,
-    ) -> Result<(), gpumem_core::BackendError> {
-        self.inner.event_synchronize(e)
-    }
-    fn event_destroy(&mut self, e: gpumem_core::backend::EventHandle) {
-        self.inner.event_destroy(e)
-    }
-    fn stream_wait_event(
-        &mut self,
-        s: u64,
-        e: gpumem_core::backend::EventHandle,
-    ) -> Result<(), gpumem_core::BackendError> {
-        self.inner.stream_wait_event(s, e)
-    }
-}
-
 #[test]
 fn a_free_whose_event_fails_leaves_the_block_live_and_can_be_retried() {
     for p in PolicyKind::ALL {
-        let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
-        let (sim, _) = SimBackend::new(SimConfig::default());
-        let backend = RefusesEvents {
-            inner: sim,
-            refused: refused.clone(),
-        };
+        // Recording an event on a stream fails, as on a stream destroyed while a block used
+        // on it was still live.
+        let (backend, faults, _) = gpumem_core::testing::FaultySim::new(SimConfig::default());
         let a = Allocator::new(
             Box::new(backend),
             Config::parse(&format!("policy:{}", p.name())).unwrap(),
@@ -350,7 +259,7 @@ fn a_free_whose_event_fails_leaves_the_block_live_and_can_be_retried() {
         let x = a.allocate(3 << 20, 0).unwrap();
         a.record_stream(x.ptr, 9).unwrap();
         a.record_stream(x.ptr, 7).unwrap();
-        refused.store(7, std::sync::atomic::Ordering::Relaxed);
+        faults.refuse_events_on(7);
         let before = a.memory_stats();
         let e = a.free(x.ptr).unwrap_err();
         assert!(
@@ -366,7 +275,7 @@ fn a_free_whose_event_fails_leaves_the_block_live_and_can_be_retried() {
         assert_eq!(after.active.all.current, 1, "{p:?}");
         // Once the stream can record again, the same free goes through and the block waits
         // for both streams' events (here completing at once) before it is reused.
-        refused.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        faults.disarm();
         a.free(x.ptr).unwrap();
         assert_eq!(a.memory_stats().allocated_bytes.all.current, 0, "{p:?}");
         a.synchronize_events().unwrap();

@@ -5,147 +5,20 @@
 //! the failure tests failed before its fix (a review of 2026-12-01).
 
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
-use gpumem_core::backend::{Backend, DeviceInfo, DriverCall, EventHandle, PhysHandle};
+use gpumem_core::backend::DriverCall;
 use gpumem_core::report::leaks::leak_report;
-use gpumem_core::{Allocator, BackendError, Config, PolicyKind};
-use parking_lot::Mutex;
-use std::sync::Arc;
+use gpumem_core::testing::{Faults, FaultySim};
+use gpumem_core::{Allocator, Config, PolicyKind};
 
 const MIB: u64 = 1 << 20;
 
-// ---------------------------------------------------------------------------------------------
-// A simulated device whose driver calls can be made to fail on demand.
-// ---------------------------------------------------------------------------------------------
-
-/// Fail plan: calls of `kind`, after `skip` successful ones, fail `times` times.
-#[derive(Clone, Copy, Debug)]
-struct Plan {
-    kind: DriverCall,
-    skip: u64,
-    times: u64,
-    oom: bool,
-}
-
-#[derive(Clone, Default)]
-struct Faults(Arc<Mutex<Option<Plan>>>);
-
-impl Faults {
-    fn arm(&self, kind: DriverCall, skip: u64, times: u64) {
-        *self.0.lock() = Some(Plan {
-            kind,
-            skip,
-            times,
-            oom: false,
-        });
-    }
-    fn disarm(&self) {
-        *self.0.lock() = None;
-    }
-    fn check(&self, kind: DriverCall) -> Result<(), BackendError> {
-        let mut g = self.0.lock();
-        if let Some(p) = g.as_mut() {
-            if p.kind == kind {
-                if p.skip > 0 {
-                    p.skip -= 1;
-                } else if p.times > 0 {
-                    p.times -= 1;
-                    return Err(if p.oom {
-                        BackendError::oom(kind, "injected out of memory")
-                    } else {
-                        BackendError::new(kind, "injected failure")
-                    });
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-struct Faulty {
-    inner: SimBackend,
-    faults: Faults,
-}
-
-impl Backend for Faulty {
-    fn info(&self) -> DeviceInfo {
-        self.inner.info()
-    }
-    fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
-        self.faults.check(DriverCall::MemGetInfo)?;
-        self.inner.mem_get_info()
-    }
-    fn mem_alloc(&mut self, bytes: u64) -> Result<u64, BackendError> {
-        self.faults.check(DriverCall::MemAlloc)?;
-        self.inner.mem_alloc(bytes)
-    }
-    fn mem_free(&mut self, ptr: u64, bytes: u64) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::MemFree)?;
-        self.inner.mem_free(ptr, bytes)
-    }
-    fn address_reserve(&mut self, bytes: u64) -> Result<u64, BackendError> {
-        self.faults.check(DriverCall::AddressReserve)?;
-        self.inner.address_reserve(bytes)
-    }
-    fn address_free(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::AddressFree)?;
-        self.inner.address_free(va, bytes)
-    }
-    fn mem_create(&mut self, bytes: u64) -> Result<PhysHandle, BackendError> {
-        self.faults.check(DriverCall::MemCreate)?;
-        self.inner.mem_create(bytes)
-    }
-    fn mem_release(&mut self, h: PhysHandle) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::MemRelease)?;
-        self.inner.mem_release(h)
-    }
-    fn mem_map(&mut self, va: u64, bytes: u64, h: PhysHandle) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::MemMap)?;
-        self.inner.mem_map(va, bytes, h)
-    }
-    fn mem_unmap(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::MemUnmap)?;
-        self.inner.mem_unmap(va, bytes)
-    }
-    fn set_access(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::SetAccess)?;
-        self.inner.set_access(va, bytes)
-    }
-    fn event_record(&mut self, stream: u64) -> Result<EventHandle, BackendError> {
-        self.faults.check(DriverCall::EventRecord)?;
-        self.inner.event_record(stream)
-    }
-    fn event_query(&mut self, e: EventHandle) -> Result<bool, BackendError> {
-        self.faults.check(DriverCall::EventQuery)?;
-        self.inner.event_query(e)
-    }
-    fn event_synchronize(&mut self, e: EventHandle) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::EventSynchronize)?;
-        self.inner.event_synchronize(e)
-    }
-    fn event_destroy(&mut self, e: EventHandle) {
-        self.inner.event_destroy(e)
-    }
-    fn stream_wait_event(&mut self, s: u64, e: EventHandle) -> Result<(), BackendError> {
-        self.faults.check(DriverCall::StreamWaitEvent)?;
-        self.inner.stream_wait_event(s, e)
-    }
-}
-
 fn faulty(conf: &str, total: u64, mode: EventMode) -> (Allocator, Faults, SimControl) {
-    let (sim, ctl) = SimBackend::new(SimConfig {
+    let (sim, faults, ctl) = FaultySim::new(SimConfig {
         total_bytes: total,
         event_mode: mode,
         ..SimConfig::default()
     });
-    let faults = Faults::default();
-    let a = Allocator::new(
-        Box::new(Faulty {
-            inner: sim,
-            faults: faults.clone(),
-        }),
-        Config::parse(conf).unwrap(),
-    )
-    .unwrap();
+    let a = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
     (a, faults, ctl)
 }
 
