@@ -207,6 +207,28 @@ pub fn replay(
     )
 }
 
+/// The trace's free of the block at `key` (stream, address) has completed: it stops counting
+/// as live, by the size it was allocated with (a malformed trace may free another), and the
+/// events its free recorded complete. Returns the block, if there was one.
+fn free_completed(
+    key: (u64, u64),
+    blocks: &mut FxHashMap<(u64, u64), (Allocation, u64)>,
+    waiting: &mut FxHashMap<(u64, u64), Vec<EventHandle>>,
+    events: &Option<SimControl>,
+    live_now: &mut u64,
+) -> Option<Allocation> {
+    let block = blocks.remove(&key).map(|(a, size)| {
+        *live_now -= size;
+        a
+    });
+    if let (Some(evs), Some(ctl)) = (waiting.remove(&key), events.as_ref()) {
+        for h in evs {
+            ctl.complete(h);
+        }
+    }
+    block
+}
+
 /// A function given every block the replay allocates (address, bytes, the trace's stream): the
 /// CUDA replay writes into them, on the stream standing for the trace's.
 pub type TouchFn<'a> = &'a (dyn Fn(u64, u64, Stream) + Sync);
@@ -267,17 +289,11 @@ pub fn replay_on(
         match e.kind {
             Kind::Alloc if e.size > 0 => {
                 ops += 1;
-                if let Some((old, size)) = blocks.remove(&(e.stream, e.addr)) {
-                    // The trace lost this address's free (`Trace::warnings` counts these): the
-                    // earlier block is taken as freed here, as PyTorch must have freed it.
-                    live_now -= size;
-                    if let (Some(evs), Some(ctl)) =
-                        (waiting.remove(&(e.stream, e.addr)), events.as_ref())
-                    {
-                        for h in evs {
-                            ctl.complete(h);
-                        }
-                    }
+                // The trace lost this address's free (`Trace::warnings` counts these): the
+                // earlier block is taken as freed here, as PyTorch must have freed it.
+                let key = (e.stream, e.addr);
+                let lost = free_completed(key, &mut blocks, &mut waiting, &events, &mut live_now);
+                if let Some(old) = lost {
                     match alloc.free_allocation(&old) {
                         // Already freed by the trace, its completion the missing part.
                         Ok(())
@@ -325,17 +341,8 @@ pub fn replay_on(
                 }
             }
             Kind::FreeCompleted => {
-                // The size it was allocated with (a malformed trace may free another).
-                if let Some((_, size)) = blocks.remove(&(e.stream, e.addr)) {
-                    live_now -= size;
-                }
-                if let (Some(evs), Some(ctl)) =
-                    (waiting.remove(&(e.stream, e.addr)), events.as_ref())
-                {
-                    for h in evs {
-                        ctl.complete(h);
-                    }
-                }
+                let key = (e.stream, e.addr);
+                free_completed(key, &mut blocks, &mut waiting, &events, &mut live_now);
             }
             _ => {}
         }
