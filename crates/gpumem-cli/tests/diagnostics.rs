@@ -1,13 +1,11 @@
 //! The diagnostics subcommands, run as a user runs them: `gpumem summary`, `gpumem replay
 //! --snapshot/--plot`, `gpumem monitor` (on the scripted fake GPU, and without a GPU).
 
+mod common;
+use common::gpumem;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn gpumem() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gpumem"))
-}
 
 use gpumem_core::testing::bundled_trace;
 

@@ -1,20 +1,14 @@
 //! `gpumem monitor` on the scripted fake GPU, as a user runs it: flags out of range, options
 //! that could not work, a source that keeps failing, a reader that goes away.
 
+mod common;
+use common::{gpumem, stderr};
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn gpumem() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gpumem"))
-}
 
 fn monitor(args: &[&str]) -> Output {
     gpumem().arg("monitor").args(args).output().unwrap()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]

@@ -1,12 +1,10 @@
 //! Where the CLI's output goes: a closed stdout, files that cannot be written, and flags that do
 //! not apply. Each failure must be clear and must come before the long work, not after it.
 
+mod common;
+use common::{gpumem, stderr};
 use gpumem_core::testing::bundled_trace;
-use std::process::{Command, Output, Stdio};
-
-fn gpumem() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gpumem"))
-}
+use std::process::{Command, Stdio};
 
 /// The write end of a pipe whose reader has already exited: every write to it fails with
 /// EPIPE, as `gpumem ... | head -1` does once `head` has its line. (The reader is `true`, which
@@ -19,10 +17,6 @@ fn closed_pipe() -> Stdio {
     let write_end = reader.stdin.take().expect("piped stdin");
     assert!(reader.wait().unwrap().success());
     Stdio::from(write_end)
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]
