@@ -341,15 +341,6 @@ impl Allocator {
         Ok(())
     }
 
-    /// The shard whose live block starts at `ptr`.
-    fn find_owner(&self, ptr: DevPtr) -> Result<&Shard, AllocError> {
-        self.shards
-            .iter()
-            .map(|(_, sh)| sh)
-            .find(|sh| sh.state.lock().policy.is_allocated(ptr))
-            .ok_or_else(|| self.not_live(ptr))
-    }
-
     /// Frees the block at `ptr` (searching every stream's pool for it).
     pub fn free(&self, ptr: DevPtr) -> Result<(), AllocError> {
         for (_, sh) in self.shards.iter() {
@@ -476,21 +467,22 @@ impl Allocator {
     /// Marks the block at `ptr` as used on `stream` too: when freed, it is reused only after
     /// the work queued on `stream` by then has completed.
     pub fn record_stream(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
-        let shard = self.find_owner(ptr)?;
-        if shard.stream == stream {
+        // The use is recorded under the same lock that found the block live, so a free on
+        // another thread cannot come between (a use recorded after it would outlive it).
+        for (_, sh) in self.shards.iter() {
+            let mut st = sh.state.lock();
+            if !st.policy.is_allocated(ptr) {
+                continue;
+            }
+            if sh.stream != stream {
+                let uses = st.uses.entry(ptr).or_default();
+                if !uses.contains(&stream) {
+                    uses.push(stream);
+                }
+            }
             return Ok(());
         }
-        let mut st = shard.state.lock();
-        if !st.policy.is_allocated(ptr) {
-            // Freed by another thread since it was found: a use recorded now would outlive it.
-            drop(st);
-            return Err(self.not_live(ptr));
-        }
-        let uses = st.uses.entry(ptr).or_default();
-        if !uses.contains(&stream) {
-            uses.push(stream);
-        }
-        Ok(())
+        Err(self.not_live(ptr))
     }
 
     /// Releases the freed blocks whose stream events have completed (without waiting for the
