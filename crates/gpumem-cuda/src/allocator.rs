@@ -48,15 +48,23 @@ impl Shared {
 
     /// Keeps `stream` alive for the allocator's life (see `streams`).
     fn keep(&self, stream: &Arc<CudaStream>) {
-        let known =
-            |v: &Vec<Arc<CudaStream>>| v.iter().any(|s| s.cu_stream() == stream.cu_stream());
-        if known(&self.streams.read().unwrap_or_else(|p| p.into_inner())) {
+        if self.kept(stream).is_some() {
             return;
         }
         let mut v = self.streams.write().unwrap_or_else(|p| p.into_inner());
-        if !known(&v) {
+        if !v.iter().any(|s| s.cu_stream() == stream.cu_stream()) {
             v.push(stream.clone());
         }
+    }
+
+    /// The allocator's own handle on `stream`, if it keeps it.
+    fn kept(&self, stream: &CudaStream) -> Option<Arc<CudaStream>> {
+        self.streams
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|s| s.cu_stream() == stream.cu_stream())
+            .cloned()
     }
 }
 
@@ -325,15 +333,7 @@ impl DeviceBuffer {
         if stream.cu_stream() == self.stream.cu_stream() {
             return SyncOnDrop::Sync(None);
         }
-        let kept = self
-            .owner
-            .shared
-            .streams
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .find(|s| s.cu_stream() == stream.cu_stream())
-            .cloned();
+        let kept = self.owner.shared.kept(stream);
         let outcome = stream
             .join(&self.stream)
             .map_err(|e| AllocError::Config(format!("cannot order the streams: {e}")))
