@@ -181,14 +181,8 @@ pub fn device_count() -> Result<u32, BackendError> {
 /// call would fail with CUDA_ERROR_INVALID_CONTEXT.
 #[inline]
 pub fn bind(ctx: &CudaContext) -> Result<(), BackendError> {
-    let want = ctx.cu_ctx();
-    let mut cur: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: a context exists, so the driver is loaded; `cur` is a valid place for the result.
-    check_named("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut cur) })?;
-    if cur != want {
-        // SAFETY: `want` is the context `ctx` owns (retained for as long as `ctx` lives).
-        check_named("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(want) })?;
-    }
+    // The scoped binding, with nothing put back when it ends.
+    std::mem::forget(bind_scoped(ctx)?);
     Ok(())
 }
 
@@ -214,9 +208,9 @@ impl Drop for ScopedContext {
 }
 
 /// [`bind`] for one call: makes `ctx` current and puts the caller's own context back when the
-/// guard drops (a thread that had none keeps `ctx`). A free reached from PyTorch on a thread whose current device is another GPU
-/// must not leave that thread on gpumem's device: the CUDA runtime takes the current context
-/// as the current device.
+/// guard drops (a thread that had none keeps `ctx`). A free reached from PyTorch on a thread
+/// whose current device is another GPU must not leave that thread on gpumem's device: the
+/// CUDA runtime takes the current context as the current device.
 #[inline]
 pub fn bind_scoped(ctx: &CudaContext) -> Result<ScopedContext, BackendError> {
     let want = ctx.cu_ctx();
