@@ -1,4 +1,5 @@
-//! Writing to stdout and stderr without panicking.
+//! Where the CLI's output goes: stdout and stderr without panicking, and output files checked
+//! before the work that fills them.
 //!
 //! `println!` panics when stdout is a closed pipe (`gpumem replay ... | head -1`), and
 //! `eprintln!` does the same on stderr. Every line the CLI prints goes through here instead: a
@@ -6,6 +7,7 @@
 //! (by SIGPIPE), and a lost diagnostic on a closed stderr is dropped rather than fatal.
 
 use std::io::{ErrorKind, Write};
+use std::path::Path;
 
 /// Writes `text` to stdout and flushes it. When stdout is a closed pipe the reader has all it
 /// wanted, so the process ends here with status 0; any other write error ends it with status 1
@@ -34,6 +36,20 @@ pub fn eprint(text: &str) {
 /// [`eprint`] with a newline.
 pub fn eprintln(line: &str) {
     eprint(&format!("{line}\n"));
+}
+
+/// Fails now, before any long work, if `path` cannot be written; leaves nothing behind.
+pub fn check_writable(path: &Path, flag: &str) -> Result<(), String> {
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|e| format!("{flag} {}: cannot write there: {e}", path.display()))?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
 }
 
 /// `print!` through [`print`].

@@ -84,7 +84,7 @@ pub fn run_probe(a: ProbeArgs) -> Result<(), String> {
     }
     opts.validate().map_err(|e| e.to_string())?;
     if let Some(path) = &a.save {
-        crate::replay::check_writable(path, "--save")?;
+        crate::out::check_writable(path, "--save")?;
     }
     let mut progress = progress_printer(a.quiet);
     let report = gpumem_probe::run(&opts, &mut progress).map_err(|e| e.to_string())?;

@@ -142,20 +142,6 @@ fn sim_only_flags(a: &ReplayArgs) -> Vec<&'static str> {
     .collect()
 }
 
-/// Fails now, before any long work, if `path` cannot be written; leaves nothing behind.
-pub(crate) fn check_writable(path: &Path, flag: &str) -> Result<(), String> {
-    let existed = path.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(path)
-        .map_err(|e| format!("{flag} {}: cannot write there: {e}", path.display()))?;
-    if !existed {
-        let _ = std::fs::remove_file(path);
-    }
-    Ok(())
-}
-
 pub fn run(a: ReplayArgs) -> Result<(), String> {
     if a.device == Target::Cuda {
         let ignored = sim_only_flags(&a);
@@ -169,10 +155,10 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         }
     }
     if let Some(p) = &a.plot {
-        check_writable(p, "--plot")?;
+        crate::out::check_writable(p, "--plot")?;
     }
     if let Some(p) = &a.snapshot {
-        check_writable(p, "--snapshot")?;
+        crate::out::check_writable(p, "--snapshot")?;
     }
     let trace = load(&a.trace, a.device_index, a.json)?;
     if a.device == Target::Cuda {
