@@ -354,6 +354,7 @@ def child(args) -> None:
             out["gpumem_timed_driver_calls"] = timed
             n_timed = max(1, len(times) - spec["warmup"])
             out["gpumem_driver_s_per_step"] = sum(v["seconds"] for v in timed.values()) / n_timed
+        out["gpumem_policy_notes"] = gpumem.torch.policy_notes()
         out["gpumem_errors"] = gpumem.torch.error_counts()
         out["gpumem_oom_exception"] = gpumem.torch.oom_exception()
     print(json.dumps(out), flush=True)
@@ -628,6 +629,8 @@ def main() -> int:
                 f"held {fmt_gib(r.get('peak_held'))} GiB, median step {1000 * (r.get('median_step_s') or 0):.1f} ms")
             if r.get("gpumem_driver_s_per_step") is not None:
                 status += f", driver calls {1000 * r['gpumem_driver_s_per_step']:.2f} ms/step"
+            for note in r.get("gpumem_policy_notes") or []:
+                status += f"\n    {note}"
             print(f"{status} ({r['wall_s']} s, {time.time() - t0:.0f} s in all)", flush=True)
         rounds.append(results)
 

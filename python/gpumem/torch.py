@@ -63,6 +63,7 @@ __all__ = [
     "set_memory_fraction",
     "error_counts",
     "driver_calls",
+    "policy_notes",
     "devices",
     "oom_exception",
 ]
@@ -434,6 +435,13 @@ def driver_calls(device: DeviceLike = None) -> Dict[str, Dict[str, float]]:
     synchronisation's seconds are time the host waited for the GPU)."""
     raw = _native.torch_driver_calls(_device_index(device))
     return {k: {"calls": n, "pages": p, "seconds": s} for k, (n, p, s) in raw.items()}
+
+
+def policy_notes(device: DeviceLike = None) -> List[str]:
+    """What gpumem's policy on ``device`` changed on its own so far, one line each: for
+    instance the stitched policy's streams no longer taking each other's idle pages, once
+    moving them cost more than ``trade_budget`` of the time. Empty if nothing changed."""
+    return list(_native.torch_policy_notes(_device_index(device)))
 
 
 def devices() -> List[int]:

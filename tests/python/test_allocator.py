@@ -1,5 +1,7 @@
 """gpumem.Allocator over the simulated device: no PyTorch, no GPU."""
 
+import time
+
 import pytest
 
 import gpumem
@@ -169,6 +171,42 @@ def test_driver_calls_are_counted():
     a.free(a.allocate(64 * MIB))
     a.empty_cache()
     assert a.driver_calls() == {"cuMemAlloc": 1, "cuMemFree": 1}
+
+
+def _streams_take_turns(a, rounds=None, seconds=None):
+    """Four streams, each allocating and freeing 8-12 MiB in turn; stops after `rounds`, or
+    once the policy notes something or `seconds` have passed. Returns the rounds made."""
+    start, n = time.perf_counter(), 0
+    while (rounds is None or n < rounds) and (
+        seconds is None or (time.perf_counter() - start < seconds and not a.policy_notes())
+    ):
+        for stream in (1, 2, 3, 4):
+            a.free(a.allocate((8 + n % 5) * MIB, stream))
+        n += 1
+    return n
+
+
+def test_streams_stop_trading_pages_once_it_costs_more_than_the_budget():
+    # The pool holds one stream's worth of pages, so each turn takes them from the stream
+    # before: on the simulated device every move costs its modelled driver time, far more than
+    # the wall time of a turn, so a budget of 1 % is spent within the first 100 ms window.
+    a = sim("policy:stitched,trade_budget:0.01")
+    _streams_take_turns(a, seconds=5.0)
+    notes = a.policy_notes()
+    assert len(notes) == 1 and "stopped taking each other's idle pages" in notes[0], notes
+    calls = sum(a.driver_calls().values())
+    _streams_take_turns(a, rounds=200)
+    # From then on each stream maps pages of its own, once, instead of trading.
+    assert sum(a.driver_calls().values()) - calls < 200
+    assert a.held_bytes >= 4 * 8 * MIB
+
+    off = sim("policy:stitched,trade_budget:off")
+    _streams_take_turns(off, rounds=400)
+    assert off.policy_notes() == []
+    calls = sum(off.driver_calls().values())
+    _streams_take_turns(off, rounds=200)
+    assert sum(off.driver_calls().values()) - calls >= 200 * 4, "the streams keep trading"
+    assert off.held_bytes <= 12 * MIB
 
 
 def test_segments_describe_the_blocks():

@@ -10,6 +10,7 @@
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
+//! | `trade_budget` | 0 < f ≤ 1, or `off` | stitched, several streams: share of the time that moving idle pages between streams may cost before the streams keep their own peaks instead (default 0.1) |
 //! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |
 //! | `leak_check` | 0/1 | track live allocations (for leak reports) |
 //! | `backtraces` | 0/1 | capture a backtrace at each allocation (with history or leak_check) |
@@ -171,6 +172,20 @@ impl Config {
                         }
                     }
                 }
+                "trade_budget" => {
+                    c.options.trade_budget = if v == "off" {
+                        f64::INFINITY
+                    } else {
+                        v.parse::<f64>()
+                            .ok()
+                            .filter(|f| *f > 0.0 && *f <= 1.0)
+                            .ok_or_else(|| {
+                                AllocError::Config(format!(
+                                    "trade_budget:{v}: expected a share of the time in (0, 1], or off"
+                                ))
+                            })?
+                    }
+                }
                 "history" => {
                     c.history = v.parse().map_err(|_| {
                         AllocError::Config(format!("history:{v}: expected a number of entries"))
@@ -192,7 +207,8 @@ impl Config {
                 _ => {
                     return Err(AllocError::Config(format!(
                         "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
-                         va_factor, stream_pages, history, leak_check, backtraces, costs)"
+                         va_factor, stream_pages, trade_budget, history, leak_check, backtraces, \
+                         costs)"
                     )))
                 }
             }
@@ -253,6 +269,19 @@ mod tests {
             Config::parse("stream_pages:shared").unwrap(),
             Config::default()
         );
+        assert_eq!(Config::default().options.trade_budget, 0.1);
+        assert_eq!(
+            Config::parse("trade_budget:0.2")
+                .unwrap()
+                .options
+                .trade_budget,
+            0.2
+        );
+        assert!(Config::parse("trade_budget:off")
+            .unwrap()
+            .options
+            .trade_budget
+            .is_infinite());
         assert_eq!(c.history, 1000);
         assert!(c.leak_check && c.backtraces);
         assert_eq!(Amount::Fraction(0.5).bytes(100), 50);
@@ -287,6 +316,10 @@ mod tests {
             ("colour:blue", "unknown key 'colour'"),
             ("slack:-1", "slack"),
             ("stream_pages:mine", "expected shared or own"),
+            ("trade_budget:0", "trade_budget"),
+            ("trade_budget:1.5", "trade_budget"),
+            ("trade_budget:NaN", "trade_budget"),
+            ("trade_budget:never", "or off"),
             ("cap:0", "a cap of nothing"),
             ("cap:0.0", "a cap of nothing"),
             ("cap:0GiB", "a cap of nothing"),

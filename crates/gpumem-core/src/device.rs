@@ -9,6 +9,7 @@ use crate::error::BackendError;
 use crate::stats::{Pool, StatArray};
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// Device-level statistics: physical allocations and their bytes.
@@ -144,18 +145,25 @@ pub struct DeviceState {
     /// Virtual ranges reserved, by start: (bytes, the stream and pool of the policy that
     /// reserved it). What a mapping belongs to, for histories and snapshots.
     reservations: BTreeMap<DevPtr, (u64, Stream, Pool)>,
+    /// Whether the backend is the simulated device (see [`DeviceState::driver_seconds`]).
+    simulated: bool,
 }
 
 /// A device shared by the allocator's stream shards.
 pub struct Device {
     state: Mutex<DeviceState>,
     info: DeviceInfo,
+    /// Start of the device's clock (see [`Device::now_us`]).
+    born: Instant,
+    /// A replay's trace time, microseconds (u64::MAX: none set, the wall clock runs).
+    trace_time_us: AtomicU64,
 }
 
 impl Device {
     /// Wraps a backend; calls are charged with `cost`.
     pub fn new(backend: Box<dyn Backend>, cost: CostModel) -> Self {
         let info = backend.info();
+        let simulated = backend.is_simulated();
         Self {
             state: Mutex::new(DeviceState {
                 backend,
@@ -170,9 +178,29 @@ impl Device {
                 segment_log: None,
                 segment_trace: None,
                 reservations: BTreeMap::new(),
+                simulated,
             }),
             info,
+            born: Instant::now(),
+            trace_time_us: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// Microseconds on the device's clock: the trace's time while a replay sets it
+    /// ([`Device::set_trace_time_us`]), else the wall time since the device was opened. What
+    /// the policies measure their driver time against.
+    pub fn now_us(&self) -> u64 {
+        match self.trace_time_us.load(Ordering::Relaxed) {
+            u64::MAX => self.born.elapsed().as_micros() as u64,
+            t => t,
+        }
+    }
+
+    /// Sets the clock to a replayed trace's time (microseconds; from then on the wall clock is
+    /// no longer read).
+    pub fn set_trace_time_us(&self, t: u64) {
+        self.trace_time_us
+            .store(t.min(u64::MAX - 1), Ordering::Relaxed);
     }
 
     /// What the device is.
@@ -187,6 +215,16 @@ impl Device {
 }
 
 impl DeviceState {
+    /// Seconds spent in driver calls so far: measured on a real device, the cost model's
+    /// estimate on the simulated one (whose calls take next to no time).
+    pub fn driver_seconds(&self) -> f64 {
+        if self.simulated {
+            self.calls.est_seconds()
+        } else {
+            self.calls.measured_total_seconds()
+        }
+    }
+
     /// What the device is.
     pub fn info(&self) -> &DeviceInfo {
         &self.info

@@ -191,6 +191,9 @@ impl Backend for FaultySim {
     fn info(&self) -> DeviceInfo {
         self.inner.info()
     }
+    fn is_simulated(&self) -> bool {
+        self.inner.is_simulated()
+    }
     fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
         self.faults.check(DriverCall::MemGetInfo)?;
         self.inner.mem_get_info()

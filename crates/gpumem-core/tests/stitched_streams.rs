@@ -300,8 +300,10 @@ fn two_stream_trace_respects_stream_order_with_no_spare_pages() {
 }
 
 /// Four streams, each churning random sizes (512 B to 1 MiB, up to 200 live) in turn, with
-/// `conf`: driver calls in the steady state (after 20,000 rounds, over 20,000 more).
-fn four_streams_churning(conf: &str) -> u64 {
+/// `conf`: driver calls in the steady state (after 20,000 rounds, over 20,000 more), and the
+/// allocator. The device's clock advances `us_per_round` microseconds a round, so that the
+/// trade budget sees the same time on any machine.
+fn four_streams_churning(conf: &str, us_per_round: u64) -> (u64, Allocator) {
     let (sim, _ctl) = SimBackend::new(SimConfig {
         event_mode: EventMode::Immediate,
         ..SimConfig::default()
@@ -316,8 +318,11 @@ fn four_streams_churning(conf: &str) -> u64 {
         seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
     };
     let mut live: Vec<Vec<Allocation>> = vec![Vec::new(); 4];
+    let mut now = 0u64;
     let mut churn = |rounds: usize| {
         for _ in 0..rounds {
+            now += us_per_round;
+            alloc.device().set_trace_time_us(now);
             for (i, l) in live.iter_mut().enumerate() {
                 let stream = 1000 + i as Stream;
                 if l.is_empty() || (l.len() < 200 && next() % 2 == 0) {
@@ -335,7 +340,8 @@ fn four_streams_churning(conf: &str) -> u64 {
     let before = alloc.driver_calls().total();
     churn(20_000);
     alloc.check().unwrap();
-    alloc.driver_calls().total() - before
+    let calls = alloc.driver_calls().total() - before;
+    (calls, alloc)
 }
 
 /// With `stream_pages:own`, once each stream has reached its own peak of pages in use it
@@ -344,8 +350,8 @@ fn four_streams_churning(conf: &str) -> u64 {
 /// the streams keep taking idle pages from each other (remapping them).
 #[test]
 fn streams_keep_pages_up_to_their_own_peak_when_asked() {
-    let own = four_streams_churning("policy:stitched,stream_pages:own");
-    let shared = four_streams_churning("policy:stitched");
+    let own = four_streams_churning("policy:stitched,stream_pages:own", 1).0;
+    let shared = four_streams_churning("policy:stitched,trade_budget:off", 1).0;
     // 20,000 rounds of four streams: 80,000 operations in the steady state. "Next to no
     // calls" is at most one per 1,000 operations (36 when this was written: a stream's own
     // peak still rises now and then); trading pages costs ten times as many (367).
@@ -354,6 +360,37 @@ fn streams_keep_pages_up_to_their_own_peak_when_asked() {
         "stream_pages:own: {own} calls in 80,000 steady-state operations"
     );
     assert!(shared > 5 * own.max(1), "shared {shared} vs own {own}");
+}
+
+/// The trade budget: when the streams spend more than its share of the time moving pages to
+/// each other (here every round of four operations takes 10 µs and a page move tens of µs of
+/// modelled driver time), they stop and keep their own peaks, with a note saying so; when the
+/// same moves are spread over enough time (10 ms a round), they go on trading.
+#[test]
+fn streams_stop_trading_pages_when_it_costs_more_than_the_budget() {
+    let (busy, a) = four_streams_churning("policy:stitched", 10);
+    let notes = a.policy_notes();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].contains("stopped taking each other's idle pages")
+            && notes[0].contains("over the trade_budget of 10 %"),
+        "{notes:?}"
+    );
+    let own = four_streams_churning("policy:stitched,stream_pages:own", 10).0;
+    assert!(
+        busy <= own + 20,
+        "after the stop the steady state is as with stream_pages:own: {busy} vs {own} calls"
+    );
+
+    let (quiet, a) = four_streams_churning("policy:stitched", 10_000);
+    assert!(a.policy_notes().is_empty(), "{:?}", a.policy_notes());
+    let shared = four_streams_churning("policy:stitched,trade_budget:off", 10_000).0;
+    assert_eq!(quiet, shared, "under the budget nothing changes");
+    assert!(quiet > 5 * busy.max(1), "{quiet} vs {busy}");
+    // A bigger budget lets the busy streams trade on.
+    let (lenient, a) = four_streams_churning("policy:stitched,trade_budget:1", 10);
+    assert!(a.policy_notes().is_empty());
+    assert_eq!(lenient, shared);
 }
 
 /// The price of `stream_pages:own`: two streams that take turns each keep their own peak.

@@ -301,6 +301,11 @@ impl CallCounts {
 pub trait Backend: Send {
     /// What the device is.
     fn info(&self) -> DeviceInfo;
+    /// Whether this is a simulated device, whose calls cost what the cost model says rather
+    /// than the time they take.
+    fn is_simulated(&self) -> bool {
+        false
+    }
     /// (free, total) bytes of the device.
     fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError>;
     /// Allocates a plain segment (cuMemAlloc).

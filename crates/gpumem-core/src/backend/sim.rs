@@ -239,6 +239,9 @@ impl SimBackend {
 }
 
 impl Backend for SimBackend {
+    fn is_simulated(&self) -> bool {
+        true
+    }
     fn info(&self) -> DeviceInfo {
         DeviceInfo {
             name: self.cfg.name.clone(),

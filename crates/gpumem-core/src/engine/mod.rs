@@ -138,6 +138,12 @@ impl Allocator {
         self.factory.kind()
     }
 
+    /// What the policy changed on its own while running, one line each (see
+    /// [`PolicyFactory::notes`]).
+    pub fn policy_notes(&self) -> Vec<String> {
+        self.factory.notes()
+    }
+
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.config

@@ -288,7 +288,18 @@ pub struct PolicyOptions {
     /// independently; more memory when streams peak at different times (up to twice the
     /// live peak with two streams that take turns).
     pub own_stream_peaks: bool,
+    /// Stitched, with several streams: the share of the time that moving idle pages from one
+    /// stream to another may take. Once the driver time of the slow paths that took pages
+    /// from other streams exceeds it over a window of at least [`TRADE_WINDOW_US`], the
+    /// streams stop taking each other's pages and keep their own peaks, as with
+    /// `own_stream_peaks`. Infinite: never.
+    pub trade_budget: f64,
 }
+
+/// Shortest stretch of time (on the device's clock, microseconds) over which the stitched
+/// policy's page trading is held against [`PolicyOptions::trade_budget`]: long against the
+/// burst of page moves a new batch shape brings, short against a program's life.
+pub const TRADE_WINDOW_US: u64 = 100_000;
 
 impl Default for PolicyOptions {
     fn default() -> Self {
@@ -296,6 +307,7 @@ impl Default for PolicyOptions {
             slack: 0.0,
             va_factor: 2,
             own_stream_peaks: false,
+            trade_budget: 0.1,
         }
     }
 }
@@ -304,11 +316,14 @@ impl Default for PolicyOptions {
 pub struct PolicyFactory {
     kind: PolicyKind,
     make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync>,
+    /// The stitched policy's page pool, shared by its streams.
+    pages: Option<Arc<stitched::PagePool>>,
 }
 
 impl PolicyFactory {
     /// A factory for `kind` on the device described by `info`.
     pub fn new(kind: PolicyKind, info: &DeviceInfo, opts: &PolicyOptions) -> Self {
+        let mut pages = None;
         let make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync> = match kind {
             PolicyKind::Native => Box::new(|s| Box::new(segmented::Segmented::native(s))),
             PolicyKind::Caching => Box::new(|s| Box::new(segmented::Segmented::caching(s))),
@@ -319,11 +334,23 @@ impl PolicyFactory {
             PolicyKind::Buddy => Box::new(|s| Box::new(buddy::Buddy::new(s))),
             PolicyKind::Stitched => {
                 let shared = Arc::new(stitched::PagePool::new(info, opts));
+                pages = Some(shared.clone());
                 let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
                 Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
             }
         };
-        Self { kind, make }
+        Self { kind, make, pages }
+    }
+
+    /// What the policy changed on its own while running, one line each (the stitched
+    /// policy's streams stopping page trading).
+    pub fn notes(&self) -> Vec<String> {
+        self.pages
+            .as_ref()
+            .and_then(|p| p.trading_stopped())
+            .map(|t| t.to_string())
+            .into_iter()
+            .collect()
     }
 
     /// The policy kind.

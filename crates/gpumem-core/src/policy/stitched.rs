@@ -24,17 +24,21 @@
 //! stream waits for on the device: the first one the old stream recorded after the page went
 //! idle. With several streams, a stream records one when pages it took from another go idle
 //! (`PagePool::mark`), so that handing them back does not wait for all its later work.
+//!
+//! Trade budget: taking idle pages from other streams saves memory at the price of driver
+//! calls. When those calls take more than `trade_budget` of the time (`PagePool::note_trade`),
+//! the streams stop and each keeps its own peak of pages, as with `stream_pages:own`.
 
 use super::blocks::{BlockSet, State, NIL};
 use super::segmented::round_size;
-use super::{Placement, Policy, PolicyOptions, SegmentInfo};
+use super::{Placement, Policy, PolicyOptions, SegmentInfo, TRADE_WINDOW_US};
 use crate::backend::{DevPtr, DeviceInfo, DriverCall, PhysHandle, Stream};
 use crate::device::{Device, DeviceState};
 use crate::error::BackendError;
 use crate::stats::{MemoryStats, Pool};
 use crate::units::MIN_BLOCK;
 use parking_lot::{Mutex, MutexGuard};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 const NONE: u32 = u32::MAX;
@@ -111,6 +115,53 @@ struct Pages {
     shards: Vec<Arc<ShardPages>>,
     /// Highest total of pages in use seen by a slow path.
     peak_seen: u64,
+    /// Driver time of the slow paths that took pages from other streams, in the current
+    /// window (see `PagePool::note_trade`).
+    trades: TradeWindow,
+    /// When and why the streams stopped taking each other's pages, if they did.
+    stopped_trading: Option<TradeStop>,
+}
+
+/// Page trading since the window started.
+#[derive(Default)]
+struct TradeWindow {
+    /// Device clock at the window's start (None: no trade yet).
+    start_us: Option<u64>,
+    cost_s: f64,
+    trades: u64,
+}
+
+/// The window in which page trading went over its budget, after which each stream keeps its
+/// own peak of pages (as with `stream_pages:own`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TradeStop {
+    /// Device clock when it happened, microseconds (trace time in a replay).
+    pub at_us: u64,
+    /// Length of the window.
+    pub window_us: u64,
+    /// Driver seconds the window's trades took.
+    pub cost_s: f64,
+    /// Slow paths that took pages from another stream in the window.
+    pub trades: u64,
+    /// The budget they went over (share of the window).
+    pub budget: f64,
+}
+
+impl std::fmt::Display for TradeStop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "stitched: the streams stopped taking each other's idle pages: {} moves took {:.1} ms \
+             of driver time in {:.1} ms ({:.0} %, over the trade_budget of {:.0} %); from then on \
+             each stream keeps as many pages as its own peak (as with stream_pages:own), which \
+             holds more memory and makes fewer driver calls",
+            self.trades,
+            self.cost_s * 1e3,
+            self.window_us as f64 * 1e-3,
+            100.0 * self.cost_s / (self.window_us as f64 * 1e-6).max(1e-9),
+            100.0 * self.budget
+        )
+    }
 }
 
 /// Physical pages shared by the stitched policy's streams on one device.
@@ -120,7 +171,9 @@ pub struct PagePool {
     epoch: AtomicU64,
     page: u64,
     slack: f64,
-    own_stream_peaks: bool,
+    /// Each stream keeps its own peak (`stream_pages:own`, or trading went over its budget).
+    own_stream_peaks: AtomicBool,
+    trade_budget: f64,
     /// Streams registered: marks are recorded only when there are several.
     streams: AtomicU64,
 }
@@ -155,11 +208,14 @@ impl PagePool {
                 remaps: 0,
                 shards: Vec::new(),
                 peak_seen: 0,
+                trades: TradeWindow::default(),
+                stopped_trading: None,
             }),
             epoch: AtomicU64::new(0),
             page: info.page_bytes,
             slack: opts.slack.max(0.0),
-            own_stream_peaks: opts.own_stream_peaks,
+            own_stream_peaks: AtomicBool::new(opts.own_stream_peaks),
+            trade_budget: opts.trade_budget,
             streams: AtomicU64::new(0),
         }
     }
@@ -264,6 +320,7 @@ impl PagePool {
         let shards = p.shards.clone();
         let mut all = Self::lock_all(&shards);
         let mut d = dev.lock();
+        let driver_before = d.driver_seconds();
         let m = me as usize;
         // The pages the pool may hold. By default the peak of pages in use across streams:
         // the highest total a slow path has seen, and no less than any one stream's own peak
@@ -282,7 +339,8 @@ impl PagePool {
                 l.peak_busy
             }
         });
-        let peak = if self.own_stream_peaks {
+        let own_peaks = self.own_stream_peaks.load(Ordering::Relaxed);
+        let peak = if own_peaks {
             peaks.sum::<u64>()
         } else {
             peaks.max().unwrap_or(0)
@@ -291,7 +349,9 @@ impl PagePool {
         let budget = ((1.0 + self.slack) * peak as f64).ceil() as u64;
         // Streams whose idle pages are taken, with the latest epoch one of them went idle.
         let mut others: Vec<(u32, u64)> = Vec::new();
-        // 1. Virtual pages whose page idles in another stream's list: take it over.
+        // 1. Virtual pages whose page idles in another stream's list: take it over (with own
+        //    peaks, only once no new page may be made: streams that shared pages before
+        //    trading stopped part, each mapping pages of its own).
         // 2. The rest get a page: created (within the budget), or the oldest idle one.
         let mut picked: Vec<(u32, u32)> = Vec::new(); // (virtual page, slot)
         let mut taken: Vec<(u32, u32)> = Vec::new(); // (slot, previous owner) to undo
@@ -301,7 +361,8 @@ impl PagePool {
             let slot = all.guards[m].map[v as usize];
             if slot != NONE {
                 let owner = p.phys[slot as usize].as_ref().expect("mapped slot").owner;
-                if all.guards[owner as usize].idle.contains(slot) {
+                let shared = owner == me || !own_peaks || p.held >= budget;
+                if shared && all.guards[owner as usize].idle.contains(slot) {
                     all.guards[owner as usize].idle.remove(slot);
                     taken.push((slot, owner));
                     picked.push((v, slot));
@@ -359,6 +420,7 @@ impl PagePool {
                 others.push((prev, idle_since));
             }
         }
+        let traded = !others.is_empty();
         let mut mapped: Vec<u32> = Vec::new();
         let connected = self.connect(
             &mut p,
@@ -402,7 +464,53 @@ impl PagePool {
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
+        if traded {
+            self.note_trade(&mut p, d.driver_seconds() - driver_before, dev.now_us());
+        }
         Ok(())
+    }
+
+    /// Counts a slow path that took pages from another stream and cost `cost_s` of driver
+    /// time, at `now_us` on the device's clock. Once a window of at least [`TRADE_WINDOW_US`]
+    /// has passed since the window's first trade, its trades' driver time is held against the
+    /// budget: over it, the streams stop taking each other's pages for good; under it, a new
+    /// window starts. Trading saves memory only while it is cheap against the work around
+    /// it: a server's threads that move a few pages per request pay 2–4 % of their time,
+    /// threads that do nothing but allocate pay over half of theirs (docs/stitched.md).
+    fn note_trade(&self, p: &mut Pages, cost_s: f64, now_us: u64) {
+        if !self.trade_budget.is_finite() || self.own_stream_peaks.load(Ordering::Relaxed) {
+            return;
+        }
+        let w = &mut p.trades;
+        let start = *w
+            .start_us
+            .get_or_insert(now_us.saturating_sub((cost_s * 1e6) as u64));
+        w.cost_s += cost_s;
+        w.trades += 1;
+        let window_us = now_us.saturating_sub(start);
+        if window_us < TRADE_WINDOW_US {
+            return;
+        }
+        if w.cost_s > self.trade_budget * window_us as f64 * 1e-6 {
+            self.own_stream_peaks.store(true, Ordering::Relaxed);
+            p.stopped_trading = Some(TradeStop {
+                at_us: now_us,
+                window_us,
+                cost_s: w.cost_s,
+                trades: w.trades,
+                budget: self.trade_budget,
+            });
+        }
+        *w = TradeWindow {
+            start_us: Some(now_us),
+            ..TradeWindow::default()
+        };
+    }
+
+    /// When and why the streams stopped taking each other's pages (see
+    /// [`PolicyOptions::trade_budget`]), if they did.
+    pub fn trading_stopped(&self) -> Option<TradeStop> {
+        self.inner.lock().stopped_trading
     }
 
     /// The fallible part of [`Self::claim_slow`]: unmaps the virtual pages of shard `me` that

@@ -380,6 +380,7 @@ mod tests {
                 })
                 .collect(),
             fidelity: None,
+            notes: Vec::new(),
         }
     }
 

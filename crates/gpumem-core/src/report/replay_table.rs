@@ -60,6 +60,10 @@ pub fn render(trace_name: &str, events: usize, results: &[PolicyResult]) -> Stri
         }
     }
     for r in results {
+        for n in &r.notes {
+            out.push_str(n);
+            out.push('\n');
+        }
         if r.policy == "stitched" && r.calls_by_quarter[3] >= STEADY_CALLS_HINT {
             out.push_str(&format!(
                 "stitched makes {} driver calls in the last quarter of the trace (about {:.1} ms \
@@ -99,6 +103,7 @@ mod tests {
             ns_per_op: 100.0,
             timeline: Vec::new(),
             fidelity: None,
+            notes: Vec::new(),
         }
     }
 
@@ -113,5 +118,16 @@ mod tests {
         assert_eq!(out.matches("slack:0.08").count(), 1, "{out}");
         let quiet = render("t", 10, &[result("stitched", 19)]);
         assert!(!quiet.contains("slack"), "{quiet}");
+    }
+
+    #[test]
+    fn policy_notes_are_printed_under_the_table() {
+        let mut r = result("stitched", 0);
+        r.notes = vec!["stitched: the streams stopped taking each other's idle pages".into()];
+        let out = render("t", 10, &[r]);
+        assert!(
+            out.contains("\nstitched: the streams stopped taking each other's idle pages\n"),
+            "{out}"
+        );
     }
 }

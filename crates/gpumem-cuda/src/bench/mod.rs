@@ -196,6 +196,10 @@ pub struct Measurement {
     /// ns_per_op ÷ the PyTorch anchor.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_to_torch_anchor: Option<f64>,
+    /// gpumem only: what the policy changed on its own during the runs
+    /// (`Allocator::policy_notes`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -279,7 +283,8 @@ pub fn run(
                         runs: Vec<f64>,
                         peak: Option<u64>,
                         ops: u64,
-                        calls: Option<(f64, f64)>| {
+                        calls: Option<(f64, f64)>,
+                        notes: Vec<String>| {
             let ns = median(&runs);
             let m = Measurement {
                 case: case.name.to_string(),
@@ -294,6 +299,7 @@ pub fn run(
                 driver_seconds_per_run: calls.map(|c| c.1),
                 anchor_torch_ns: torch,
                 ratio_to_torch_anchor: torch.map(|t| ns / t),
+                notes,
             };
             progress(&m);
             out.push(m);
@@ -332,6 +338,7 @@ pub fn run(
                 Some(alloc.peak_held_bytes()),
                 ops_per_run,
                 timed_calls,
+                alloc.policy_notes(),
             );
         }
         if let (Target::Cuda(d), true) = (&target, opts.baselines) {
@@ -342,13 +349,20 @@ pub fn run(
                 })];
                 let ops = seq[0].len() as u64;
                 let runs = ns_per_op(opts.runs, ops, |_| d.malloc_runs(&seq))?;
-                emit("cudaMalloc".into(), runs, None, ops, None);
+                emit("cudaMalloc".into(), runs, None, ops, None, Vec::new());
             }
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
                 d.async_runs(if w { &warm } else { &timed }, &streams)
             })?;
             d.trim_pool()?;
-            emit("cudaMallocAsync".into(), runs, None, ops_per_run, None);
+            emit(
+                "cudaMallocAsync".into(),
+                runs,
+                None,
+                ops_per_run,
+                None,
+                Vec::new(),
+            );
         }
     }
     Ok(out)

@@ -93,6 +93,9 @@ pub fn driver_calls(ms: &[Measurement]) -> String {
                 );
             }
         }
+        for n in &m.notes {
+            let _ = writeln!(s, "  {} {}×{}: {n}", m.allocator, m.case, m.threads);
+        }
     }
     s
 }
@@ -159,6 +162,7 @@ mod tests {
             driver_seconds_per_run: None,
             anchor_torch_ns: torch,
             ratio_to_torch_anchor: torch.map(|t| ns / t),
+            notes: Vec::new(),
         }
     }
 

@@ -301,6 +301,12 @@ impl PyAllocator {
         Ok(d)
     }
 
+    /// What the policy changed on its own so far, one line each (for instance the stitched
+    /// policy's streams stopping page trading once it cost more than `trade_budget`).
+    fn policy_notes(&self) -> Vec<String> {
+        self.inner.policy_notes()
+    }
+
     /// Bytes held from the device now.
     #[getter]
     fn held_bytes(&self) -> u64 {

@@ -225,6 +225,16 @@ fn torch_driver_calls(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, P
     Ok(d)
 }
 
+/// What gpumem's policy on `device` changed on its own so far, one line each (empty if
+/// nothing, or no allocator on that device yet).
+#[pyfunction]
+fn torch_policy_notes(device_index: i64) -> PyResult<Vec<String>> {
+    Ok(global()
+        .get(device(device_index)?)
+        .map(|slot| slot.alloc.policy_notes())
+        .unwrap_or_default())
+}
+
 /// The allocation hook's logic, raising Python exceptions instead of C++ ones.
 #[pyfunction]
 #[pyo3(signature = (size, device_index=0, stream=0))]
@@ -331,6 +341,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(torch_error_counts, m)?)?;
     m.add_function(wrap_pyfunction!(torch_driver_calls, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_policy_notes, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc, m)?)?;
     m.add_function(wrap_pyfunction!(torch_free, m)?)?;
     m.add_function(wrap_pyfunction!(torch_record_stream, m)?)?;
