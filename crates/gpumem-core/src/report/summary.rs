@@ -105,13 +105,36 @@ fn count_cell(value: i64, reference: i64) -> String {
     format!("{v:>7} {} ", UNITS[u])
 }
 
+/// One framed line; content wider than the frame (a long file name in the title, very large
+/// counts) goes on as many more lines as it needs, broken at a space where there is one.
 fn line(out: &mut String, content: &str) {
-    out.push('|');
-    out.push_str(content);
-    for _ in content.chars().count()..WIDTH {
-        out.push(' ');
+    let mut rest: Vec<char> = content.chars().collect();
+    loop {
+        let mut take = rest.len().min(WIDTH);
+        if take < rest.len() {
+            if let Some(sp) = rest[..take]
+                .iter()
+                .rposition(|&c| c == ' ')
+                .filter(|&i| i > 0)
+            {
+                take = sp;
+            }
+        }
+        out.push('|');
+        out.extend(&rest[..take]);
+        out.extend(std::iter::repeat_n(' ', WIDTH - take));
+        out.push_str("|\n");
+        // The rest goes on the next line, after one space of indent.
+        let tail: Vec<char> = rest[take..]
+            .iter()
+            .copied()
+            .skip_while(|&c| c == ' ')
+            .collect();
+        if tail.is_empty() {
+            break;
+        }
+        rest = std::iter::once(' ').chain(tail).collect();
     }
-    out.push_str("|\n");
 }
 
 fn centered(text: &str) -> String {
@@ -593,6 +616,32 @@ mod tests {
         let t = memory_summary(&s);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines.iter().all(|l| l.chars().count() == WIDTH + 2), "{t}");
+        // Wider content stays inside the frame, on more lines: a title of 120 characters
+        // without a space, and counts of 19 digits.
+        let long = format!("/data/{}/trace.pickle.gz", "x".repeat(96));
+        let mut big = s.clone();
+        big.num_device_alloc = i64::MAX;
+        big.num_device_free = i64::MAX;
+        let opts = SummaryOptions {
+            title: long.clone(),
+            ..SummaryOptions::default()
+        };
+        let w = render_summary(&big, &opts);
+        assert!(w.lines().all(|l| l.chars().count() == WIDTH + 2), "{w}");
+        let title: String = w
+            .lines()
+            .skip(1)
+            .take(2)
+            .map(|l| l.trim_matches('|').trim())
+            .collect();
+        assert_eq!(title, long, "{w}");
+        assert!(
+            w.contains(&format!(
+                "| waits for all events: {}",
+                big.num_sync_all_streams
+            )),
+            "{w}"
+        );
         assert!(t.contains("OOMs: 3"), "{t}");
         let row = |label: &str| {
             *lines
