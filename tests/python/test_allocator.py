@@ -194,6 +194,7 @@ def test_streams_stop_trading_pages_once_it_costs_more_than_the_budget():
     _streams_take_turns(a, seconds=5.0)
     notes = a.policy_notes()
     assert len(notes) == 1 and "stopped taking each other's idle pages" in notes[0], notes
+    assert a.memory_summary().rstrip().endswith(notes[0]), "the summary ends with the note"
     calls = sum(a.driver_calls().values())
     _streams_take_turns(a, rounds=200)
     # From then on each stream maps pages of its own, once, instead of trading.

@@ -18,12 +18,19 @@ use std::sync::{Arc, Weak};
 
 /// The summary table of `stats` in the layout of `torch.cuda.memory_summary()`, under
 /// `title`; `abbreviated` keeps only the all-pools row of each metric, as PyTorch's does.
-pub fn summary(stats: &MemoryStats, title: String, abbreviated: bool) -> String {
+/// `notes` (what the policy changed on its own) follow the table.
+pub fn summary(
+    stats: &MemoryStats,
+    title: String,
+    abbreviated: bool,
+    notes: Vec<String>,
+) -> String {
     render_summary(
         stats,
         &SummaryOptions {
             title,
             abbreviated,
+            notes,
             ..SummaryOptions::default()
         },
     )

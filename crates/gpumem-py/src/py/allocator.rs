@@ -222,7 +222,12 @@ impl PyAllocator {
             self.device,
             self.inner.policy().name()
         );
-        summary(&self.inner.memory_stats(), title, abbreviated)
+        summary(
+            &self.inner.memory_stats(),
+            title,
+            abbreviated,
+            self.inner.policy_notes(),
+        )
     }
 
     /// A dict shaped like `torch.cuda.memory._snapshot()`: `segments` (with their blocks),

@@ -105,7 +105,16 @@ fn torch_memory_summary(device_index: i64, abbreviated: bool) -> PyResult<String
         "gpumem CUDA memory summary, device ID {d} (policy {})",
         global().effective_config().policy.name()
     );
-    Ok(summary(&global().memory_stats(d), title, abbreviated))
+    let notes = global()
+        .get(d)
+        .map(|slot| slot.alloc.policy_notes())
+        .unwrap_or_default();
+    Ok(summary(
+        &global().memory_stats(d),
+        title,
+        abbreviated,
+        notes,
+    ))
 }
 
 /// The snapshot pickle of `device`: its allocator's, or an empty one before gpumem allocated
