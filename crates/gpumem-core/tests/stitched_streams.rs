@@ -393,6 +393,41 @@ fn streams_stop_trading_pages_when_it_costs_more_than_the_budget() {
     assert_eq!(lenient, shared);
 }
 
+/// Streams that shared pages through aliases before they stopped trading part them in stream
+/// order: every handover, before and after the switch, goes through an event (the audit), and
+/// afterwards each stream keeps pages of its own, so taking turns makes no more driver calls.
+#[test]
+fn streams_that_stop_trading_part_their_pages_in_stream_order() {
+    let mut t = Audit::new("policy:stitched,trade_budget:0.01", 1 << 30);
+    let mut now = 0;
+    let mut turns = |t: &mut Audit, n: u64| {
+        for i in 0..n {
+            now += 100;
+            t.alloc.device().set_trace_time_us(now);
+            let stream = if i % 2 == 0 { S1 } else { S2 };
+            let a = t.allocate((8 + i % 3) << 20, stream);
+            t.free(&a, None);
+        }
+    };
+    turns(&mut t, 2_000);
+    assert_eq!(
+        t.alloc.policy_notes().len(),
+        1,
+        "{:?}",
+        t.alloc.policy_notes()
+    );
+    assert!(t.handovers > 100, "{} handovers", t.handovers);
+    turns(&mut t, 20);
+    let (held, calls, handovers) = (t.alloc.held_bytes(), t.alloc.driver_calls(), t.handovers);
+    turns(&mut t, 200);
+    assert!(held >= 2 * (10 << 20), "each stream its own pages: {held}");
+    assert_eq!(t.alloc.held_bytes(), held);
+    let made = t.alloc.driver_calls().since(&calls);
+    assert_eq!(made.total(), 0, "no more trading: {:?}", made.nonzero());
+    assert_eq!(t.handovers, handovers);
+    t.alloc.check().unwrap();
+}
+
 /// The price of `stream_pages:own`: two streams that take turns each keep their own peak.
 #[test]
 fn own_stream_pages_cost_memory_when_streams_take_turns() {

@@ -141,7 +141,7 @@ pub struct TradeStop {
     pub window_us: u64,
     /// Driver seconds the window's trades took.
     pub cost_s: f64,
-    /// Slow paths that took pages from another stream in the window.
+    /// Allocations (slow paths) that took pages from another stream in the window.
     pub trades: u64,
     /// The budget they went over (share of the window).
     pub budget: f64,
@@ -151,10 +151,11 @@ impl std::fmt::Display for TradeStop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "stitched: the streams stopped taking each other's idle pages: {} moves took {:.1} ms \
-             of driver time in {:.1} ms ({:.0} %, over the trade_budget of {:.0} %); from then on \
-             each stream keeps as many pages as its own peak (as with stream_pages:own), which \
-             holds more memory and makes fewer driver calls",
+            "stitched: the streams stopped taking each other's idle pages: {} allocations that took \
+             pages from another stream spent {:.1} ms in driver calls in {:.1} ms ({:.0} %, over \
+             the trade_budget of {:.0} %); from then on each stream keeps as many pages as its \
+             own peak (as with stream_pages:own), which holds more memory and makes fewer driver \
+             calls",
             self.trades,
             self.cost_s * 1e3,
             self.window_us as f64 * 1e-3,
@@ -465,7 +466,8 @@ impl PagePool {
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
         if traded {
-            self.note_trade(&mut p, d.driver_seconds() - driver_before, dev.now_us());
+            let cost = d.driver_seconds() - driver_before;
+            self.note_trade(&mut p, &mut all, cost, dev.now_us());
         }
         Ok(())
     }
@@ -477,7 +479,7 @@ impl PagePool {
     /// window starts. Trading saves memory only while it is cheap against the work around
     /// it: a server's threads that move a few pages per request pay 2–4 % of their time,
     /// threads that do nothing but allocate pay over half of theirs (docs/stitched.md).
-    fn note_trade(&self, p: &mut Pages, cost_s: f64, now_us: u64) {
+    fn note_trade(&self, p: &mut Pages, all: &mut AllLocals, cost_s: f64, now_us: u64) {
         if !self.trade_budget.is_finite() || self.own_stream_peaks.load(Ordering::Relaxed) {
             return;
         }
@@ -493,6 +495,13 @@ impl PagePool {
         }
         if w.cost_s > self.trade_budget * window_us as f64 * 1e-6 {
             self.own_stream_peaks.store(true, Ordering::Relaxed);
+            // The pages each stream took from others are its own from now on: no marks for
+            // handing them back (see `mark`), unless trading resumes at the memory cap.
+            for l in all.guards.iter_mut() {
+                l.foreign.fill(false);
+                l.marks_wanted = false;
+                l.idle_unmarked = false;
+            }
             p.stopped_trading = Some(TradeStop {
                 at_us: now_us,
                 window_us,
