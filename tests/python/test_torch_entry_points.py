@@ -380,3 +380,15 @@ print(_native.torch_free(p, 0, 0))
 def test_bad_device_strings_are_named(bad):
     with pytest.raises(ValueError, match="expected a CUDA device"):
         gpumem.torch.memory_stats(bad)
+
+
+def test_policy_notes_are_empty_until_the_policy_changes_something():
+    dev = 7
+    assert gpumem.torch.policy_notes(dev) == []  # no allocator yet
+    # One stream never takes pages from another, so the trade budget never switches.
+    for size in (5 * MIB, 9 * MIB, 3 * MIB):
+        assert _native.torch_free(_native.torch_alloc(size, dev, 0), dev, 0) == "freed"
+    assert gpumem.torch.policy_notes(dev) == []
+    assert gpumem.torch.memory_summary(dev).rstrip().endswith("|")  # nothing under the table
+    with pytest.raises(ValueError, match="invalid CUDA device index"):
+        gpumem.torch.policy_notes(-1)
