@@ -74,26 +74,27 @@ fn stitched_mark_failing_at_the_end_of_a_claim_costs_nothing() {
     assert_all_returned(&a, "after a failed cuEventRecord");
 }
 
-#[test]
-fn stitched_unmap_failure_in_empty_cache_keeps_the_page_for_a_retry() {
+/// A stitched allocator holding one idle page, whose `empty_cache` failed at the unmap.
+fn stitched_after_a_failed_unmap_in_empty_cache() -> Allocator {
     let (a, faults, _) = faulty("policy:stitched", 1 << 30, EventMode::Immediate);
     let x = a.allocate(2 * MIB, 0).unwrap();
     a.free(x.ptr).unwrap();
     faults.arm(DriverCall::MemUnmap, 0, 1);
     assert!(a.empty_cache().is_err());
     faults.disarm();
+    a
+}
+
+#[test]
+fn stitched_unmap_failure_in_empty_cache_keeps_the_page_for_a_retry() {
+    let a = stitched_after_a_failed_unmap_in_empty_cache();
     // A transient failure: trying again must return the page.
     assert_all_returned(&a, "after a failed cuMemUnmap in empty_cache");
 }
 
 #[test]
 fn stitched_allocation_after_a_failed_empty_cache_reuses_the_page() {
-    let (a, faults, _) = faulty("policy:stitched", 1 << 30, EventMode::Immediate);
-    let x = a.allocate(2 * MIB, 0).unwrap();
-    a.free(x.ptr).unwrap();
-    faults.arm(DriverCall::MemUnmap, 0, 1);
-    assert!(a.empty_cache().is_err());
-    faults.disarm();
+    let a = stitched_after_a_failed_unmap_in_empty_cache();
     // The page table still points the virtual page at the slot trim() emptied.
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.allocate(2 * MIB, 0)));
     assert!(r.is_ok(), "allocate panicked after a failed empty_cache");

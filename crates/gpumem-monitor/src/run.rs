@@ -362,6 +362,16 @@ mod tests {
             .collect()
     }
 
+    /// [`run`] with its output and log thrown away and no stop requested.
+    fn run_silent(
+        src: &mut FakeSource,
+        o: &MonitorOptions,
+        clock: &mut dyn Clock,
+    ) -> Result<RunSummary, MonitorError> {
+        let stop = AtomicBool::new(false);
+        run(src, o, &mut Vec::new(), &mut Vec::new(), &stop, clock)
+    }
+
     fn opts(output: Output, count: u64) -> MonitorOptions {
         MonitorOptions {
             count: Some(count),
@@ -455,13 +465,9 @@ mod tests {
     fn a_step_and_noise_raise_nothing() {
         for sc in ["step", "noise", "idle"] {
             let mut src = FakeSource::scenario(sc).unwrap();
-            let stop = AtomicBool::new(false);
-            let s = run(
+            let s = run_silent(
                 &mut src,
                 &opts(Output::Silent, 60),
-                &mut Vec::new(),
-                &mut Vec::new(),
-                &stop,
                 &mut ManualClock::default(),
             )
             .unwrap();
@@ -510,16 +516,7 @@ mod tests {
             output: Output::Silent,
             ..Default::default()
         };
-        let stop = AtomicBool::new(false);
-        let s = run(
-            &mut src,
-            &o,
-            &mut Vec::new(),
-            &mut Vec::new(),
-            &stop,
-            &mut ManualClock::default(),
-        )
-        .unwrap();
+        let s = run_silent(&mut src, &o, &mut ManualClock::default()).unwrap();
         assert_eq!((s.samples, s.stopped), (5, Stopped::Duration));
     }
 
@@ -613,17 +610,8 @@ mod tests {
             output: Output::Silent,
             ..Default::default()
         };
-        let stop = AtomicBool::new(false);
         let mut clock = ManualClock::default();
-        let s = run(
-            &mut src,
-            &o,
-            &mut Vec::new(),
-            &mut Vec::new(),
-            &stop,
-            &mut clock,
-        )
-        .unwrap();
+        let s = run_silent(&mut src, &o, &mut clock).unwrap();
         // Samples at 0, 2 and 4 s; the wait after the last one ends at 5 s, not 6.
         assert_eq!((s.samples, s.stopped), (3, Stopped::Duration));
         assert_eq!(clock.t, 5.0);
@@ -636,15 +624,7 @@ mod tests {
             ..Default::default()
         };
         let mut clock = ManualClock::default();
-        let s = run(
-            &mut src,
-            &o,
-            &mut Vec::new(),
-            &mut Vec::new(),
-            &stop,
-            &mut clock,
-        )
-        .unwrap();
+        let s = run_silent(&mut src, &o, &mut clock).unwrap();
         assert_eq!(
             (s.samples, s.stopped, src.samples),
             (0, Stopped::Duration, 1)

@@ -611,6 +611,14 @@ impl Registry {
             .unwrap_or_default()
     }
 
+    /// What the policy on `device` changed on its own, one line each (none if gpumem never
+    /// allocated there).
+    pub fn policy_notes(&self, device: usize) -> Vec<String> {
+        self.get(device)
+            .map(|s| s.alloc.policy_notes())
+            .unwrap_or_default()
+    }
+
     /// Completes every event recorded so far on simulated `device`; returns how many.
     pub fn sim_complete_events(&self, device: usize) -> usize {
         match self.get(device).and_then(|s| s.sim.as_ref()) {

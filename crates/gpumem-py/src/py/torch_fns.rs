@@ -105,15 +105,11 @@ fn torch_memory_summary(device_index: i64, abbreviated: bool) -> PyResult<String
         "gpumem CUDA memory summary, device ID {d} (policy {})",
         global().effective_config().policy.name()
     );
-    let notes = global()
-        .get(d)
-        .map(|slot| slot.alloc.policy_notes())
-        .unwrap_or_default();
     Ok(summary(
         &global().memory_stats(d),
         title,
         abbreviated,
-        notes,
+        global().policy_notes(d),
     ))
 }
 
@@ -238,10 +234,7 @@ fn torch_driver_calls(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, P
 /// nothing, or no allocator on that device yet).
 #[pyfunction]
 fn torch_policy_notes(device_index: i64) -> PyResult<Vec<String>> {
-    Ok(global()
-        .get(device(device_index)?)
-        .map(|slot| slot.alloc.policy_notes())
-        .unwrap_or_default())
+    Ok(global().policy_notes(device(device_index)?))
 }
 
 /// The allocation hook's logic, raising Python exceptions instead of C++ ones.
