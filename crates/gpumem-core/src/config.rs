@@ -186,6 +186,20 @@ impl Config {
                             })?
                     }
                 }
+                "remap_budget" => {
+                    c.options.remap_budget = if v == "off" {
+                        f64::INFINITY
+                    } else {
+                        v.parse::<f64>()
+                            .ok()
+                            .filter(|f| *f > 0.0 && *f <= 1.0)
+                            .ok_or_else(|| {
+                                AllocError::Config(format!(
+                                    "remap_budget:{v}: expected a share of the time in (0, 1], or off"
+                                ))
+                            })?
+                    }
+                }
                 "history" => {
                     c.history = v.parse().map_err(|_| {
                         AllocError::Config(format!("history:{v}: expected a number of entries"))
@@ -207,7 +221,7 @@ impl Config {
                 _ => {
                     return Err(AllocError::Config(format!(
                         "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
-                         va_factor, stream_pages, trade_budget, history, leak_check, backtraces, \
+                         va_factor, stream_pages, trade_budget, remap_budget, history, leak_check, backtraces, \
                          costs)"
                     )))
                 }
@@ -282,6 +296,19 @@ mod tests {
             .options
             .trade_budget
             .is_infinite());
+        assert_eq!(Config::default().options.remap_budget, 0.2);
+        assert_eq!(
+            Config::parse("remap_budget:0.05")
+                .unwrap()
+                .options
+                .remap_budget,
+            0.05
+        );
+        assert!(Config::parse("remap_budget:off")
+            .unwrap()
+            .options
+            .remap_budget
+            .is_infinite());
         assert_eq!(c.history, 1000);
         assert!(c.leak_check && c.backtraces);
         assert_eq!(Amount::Fraction(0.5).bytes(100), 50);
@@ -320,6 +347,10 @@ mod tests {
             ("trade_budget:1.5", "trade_budget"),
             ("trade_budget:NaN", "trade_budget"),
             ("trade_budget:never", "or off"),
+            ("remap_budget:0", "remap_budget"),
+            ("remap_budget:2", "remap_budget"),
+            ("remap_budget:inf", "remap_budget"),
+            ("remap_budget:sometimes", "or off"),
             ("cap:0", "a cap of nothing"),
             ("cap:0.0", "a cap of nothing"),
             ("cap:0GiB", "a cap of nothing"),

@@ -294,7 +294,26 @@ pub struct PolicyOptions {
     /// streams stop taking each other's pages and keep their own peaks, as with
     /// `own_stream_peaks`. Infinite: never.
     pub trade_budget: f64,
+    /// Stitched: the share of the time that remapping (pointing a virtual page whose physical
+    /// page is in use elsewhere at another one: wait, unmap, map, set access) may take. After
+    /// [`REMAP_WINDOWS_IN_A_ROW`] windows of at least [`TRADE_WINDOW_US`] in a row whose
+    /// remapping slow paths spent more than this in the driver while the pool was not growing,
+    /// the spare pages (`slack`) rise by the last window's share of the time times
+    /// [`REMAP_SLACK_MAX`] of the peak in use, up to [`REMAP_SLACK_MAX`] more than configured.
+    /// Spare pages are made only where a remap would otherwise happen. Infinite: never.
+    pub remap_budget: f64,
 }
+
+/// Windows in a row over the remap budget, with no page created in them, before the spare pages
+/// are raised: remapping that goes on for 300 ms while the pool stops growing, not the burst
+/// of a warm-up or of a new batch shape (replays: two in a row happen on the U-Net trace with
+/// random resolutions, whose remapping stops by itself; three do not).
+pub const REMAP_WINDOWS_IN_A_ROW: u32 = 3;
+
+/// Most spare pages the remap budget adds (share of the peak in use); `slack:0.1` takes the
+/// allocation benchmark's 64 MiB random case to no driver calls (BENCHMARKS.md §1). Each raise
+/// adds this times the share of the time remapping took: 9 % when it took 90 %.
+pub const REMAP_SLACK_MAX: f64 = 0.1;
 
 /// Shortest stretch of time (on the device's clock, microseconds) over which the stitched
 /// policy's page trading is held against [`PolicyOptions::trade_budget`]: long against the
@@ -308,6 +327,7 @@ impl Default for PolicyOptions {
             va_factor: 2,
             own_stream_peaks: false,
             trade_budget: 0.1,
+            remap_budget: 0.2,
         }
     }
 }
@@ -343,14 +363,14 @@ impl PolicyFactory {
     }
 
     /// What the policy changed on its own while running, one line each (the stitched
-    /// policy's streams stopping page trading).
+    /// policy's streams stopping page trading; its spare pages raised by the remap budget).
     pub fn notes(&self) -> Vec<String> {
-        self.pages
-            .as_ref()
-            .and_then(|p| p.trading_stopped())
-            .map(|t| t.to_string())
-            .into_iter()
-            .collect()
+        let Some(p) = self.pages.as_ref() else {
+            return Vec::new();
+        };
+        let trade = p.trading_stopped().map(|t| t.to_string());
+        let remap = p.spare_raised().map(|r| r.to_string());
+        trade.into_iter().chain(remap).collect()
     }
 
     /// The policy kind.

@@ -28,10 +28,19 @@
 //! Trade budget: taking idle pages from other streams saves memory at the price of driver
 //! calls. When those calls take more than `trade_budget` of the time (`PagePool::note_trade`),
 //! the streams stop and each keeps its own peak of pages, as with `stream_pages:own`.
+//!
+//! Remap budget: a virtual page whose physical page went to another address must be unmapped
+//! (after its stream's earlier work) and mapped again. A workload whose layout keeps moving
+//! pays this at every step. When it takes more than `remap_budget` of the time
+//! (`PagePool::note_remap`), the pool raises its spare pages a step at a time, so that such
+//! virtual pages get pages of their own instead.
 
 use super::blocks::{BlockSet, State, NIL};
 use super::segmented::round_size;
-use super::{Placement, Policy, PolicyOptions, SegmentInfo, TRADE_WINDOW_US};
+use super::{
+    Placement, Policy, PolicyOptions, SegmentInfo, REMAP_SLACK_MAX, REMAP_WINDOWS_IN_A_ROW,
+    TRADE_WINDOW_US,
+};
 use crate::backend::{DevPtr, DeviceInfo, DriverCall, PhysHandle, Stream};
 use crate::device::{Device, DeviceState};
 use crate::error::BackendError;
@@ -117,18 +126,114 @@ struct Pages {
     peak_seen: u64,
     /// Driver time of the slow paths that took pages from other streams, in the current
     /// window (see `PagePool::note_trade`).
-    trades: TradeWindow,
+    trades: BudgetWindow,
     /// When and why the streams stopped taking each other's pages, if they did.
     stopped_trading: Option<TradeStop>,
+    /// Driver time of the slow paths that remapped, in the current window (see
+    /// `PagePool::note_remap`).
+    remaps_window: BudgetWindow,
+    /// Pages created since the pool began, and when the current remap window began.
+    created: u64,
+    created_at_window: u64,
+    remaps_at_window: u64,
+    /// Remap windows in a row over the budget with no page created.
+    over_in_a_row: u32,
+    /// Spare pages added by the remap budget (share of the peak in use), and why.
+    raised: SpareRaise,
 }
 
-/// Page trading since the window started.
+/// Slow paths of one kind (trades, remaps) since a window started, on the device's clock.
 #[derive(Default)]
-struct TradeWindow {
-    /// Device clock at the window's start (None: no trade yet).
+struct BudgetWindow {
+    /// Device clock at the window's start (None: none yet).
     start_us: Option<u64>,
     cost_s: f64,
-    trades: u64,
+    count: u64,
+}
+
+/// A window closed by [`BudgetWindow::add`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClosedWindow {
+    /// Device clock at its end, microseconds (trace time in a replay).
+    pub at_us: u64,
+    /// Its length.
+    pub window_us: u64,
+    /// Driver seconds its slow paths took.
+    pub cost_s: f64,
+    /// Slow paths counted in it.
+    pub count: u64,
+}
+
+impl ClosedWindow {
+    /// Share of the window spent in the driver.
+    pub fn share(&self) -> f64 {
+        self.cost_s / (self.window_us as f64 * 1e-6).max(1e-9)
+    }
+}
+
+impl BudgetWindow {
+    /// Counts a slow path that cost `cost_s` of driver time, ending at `now_us`. Once the
+    /// window spans [`TRADE_WINDOW_US`] from its first slow path (taken to have started
+    /// `cost_s` before it ended), returns it and starts the next one.
+    fn add(&mut self, cost_s: f64, now_us: u64) -> Option<ClosedWindow> {
+        let start = *self
+            .start_us
+            .get_or_insert(now_us.saturating_sub((cost_s * 1e6) as u64));
+        self.cost_s += cost_s;
+        self.count += 1;
+        let window_us = now_us.saturating_sub(start);
+        if window_us < TRADE_WINDOW_US {
+            return None;
+        }
+        let closed = ClosedWindow {
+            at_us: now_us,
+            window_us,
+            cost_s: self.cost_s,
+            count: self.count,
+        };
+        *self = BudgetWindow {
+            start_us: Some(now_us),
+            ..BudgetWindow::default()
+        };
+        Some(closed)
+    }
+}
+
+/// Spare pages the remap budget added, and the last window that went over it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SpareRaise {
+    /// Share of the peak in use added to `slack`.
+    pub added: f64,
+    /// Times the spare pages were raised (see `PagePool::note_remap`).
+    pub raises: u32,
+    /// The last of them.
+    pub last: Option<ClosedWindow>,
+    /// The budget (share of the time).
+    pub budget: f64,
+}
+
+impl std::fmt::Display for SpareRaise {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Some(w) = self.last else {
+            return write!(f, "stitched: remapping stayed within its budget");
+        };
+        write!(
+            f,
+            "stitched: spare pages raised to {:.0} % of the peak in use, in {} step(s), as \
+             remapping went over the remap_budget of {:.0} % (the last time at {:.1} s: {} \
+             allocations that remapped spent {:.1} ms in driver calls in {:.1} ms, {:.0} %); a \
+             virtual page that would be remapped gets a page of its own instead, which holds \
+             more memory and makes fewer driver calls",
+            100.0 * self.added,
+            self.raises,
+            100.0 * self.budget,
+            w.at_us as f64 * 1e-6,
+            w.count,
+            w.cost_s * 1e3,
+            w.window_us as f64 * 1e-3,
+            100.0 * w.share()
+        )
+    }
 }
 
 /// The window in which page trading went over its budget, after which each stream keeps its
@@ -175,6 +280,7 @@ pub struct PagePool {
     /// Each stream keeps its own peak (`stream_pages:own`, or trading went over its budget).
     own_stream_peaks: AtomicBool,
     trade_budget: f64,
+    remap_budget: f64,
     /// Streams registered: marks are recorded only when there are several.
     streams: AtomicU64,
 }
@@ -209,14 +315,24 @@ impl PagePool {
                 remaps: 0,
                 shards: Vec::new(),
                 peak_seen: 0,
-                trades: TradeWindow::default(),
+                trades: BudgetWindow::default(),
                 stopped_trading: None,
+                remaps_window: BudgetWindow::default(),
+                created: 0,
+                created_at_window: 0,
+                remaps_at_window: 0,
+                over_in_a_row: 0,
+                raised: SpareRaise {
+                    budget: opts.remap_budget,
+                    ..SpareRaise::default()
+                },
             }),
             epoch: AtomicU64::new(0),
             page: info.page_bytes,
             slack: opts.slack.max(0.0),
             own_stream_peaks: AtomicBool::new(opts.own_stream_peaks),
             trade_budget: opts.trade_budget,
+            remap_budget: opts.remap_budget,
             streams: AtomicU64::new(0),
         }
     }
@@ -347,7 +463,8 @@ impl PagePool {
             peaks.max().unwrap_or(0)
         }
         .max(p.peak_seen);
-        let budget = ((1.0 + self.slack) * peak as f64).ceil() as u64;
+        let budget = ((1.0 + self.slack + p.raised.added) * peak as f64).ceil() as u64;
+        let remaps_before = p.remaps;
         // Streams whose idle pages are taken, with the latest epoch one of them went idle.
         let mut others: Vec<(u32, u64)> = Vec::new();
         // 1. Virtual pages whose page idles in another stream's list: take it over (with own
@@ -381,6 +498,7 @@ impl PagePool {
                     Ok(h) => {
                         let s = Self::new_slot(&mut p, h, me);
                         created.push(s);
+                        p.created += 1;
                         slot = Some(s);
                     }
                     Err(e) if e.out_of_memory && idle_total(&all) > 0 => {}
@@ -465,9 +583,16 @@ impl PagePool {
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
-        if traded {
+        let remapped = p.remaps > remaps_before;
+        if traded || remapped {
             let cost = d.driver_seconds() - driver_before;
-            self.note_trade(&mut p, &mut all, cost, dev.now_us());
+            let now = dev.now_us();
+            if traded {
+                self.note_trade(&mut p, &mut all, cost, now);
+            }
+            if remapped {
+                self.note_remap(&mut p, cost, now);
+            }
         }
         Ok(())
     }
@@ -483,17 +608,10 @@ impl PagePool {
         if !self.trade_budget.is_finite() || self.own_stream_peaks.load(Ordering::Relaxed) {
             return;
         }
-        let w = &mut p.trades;
-        let start = *w
-            .start_us
-            .get_or_insert(now_us.saturating_sub((cost_s * 1e6) as u64));
-        w.cost_s += cost_s;
-        w.trades += 1;
-        let window_us = now_us.saturating_sub(start);
-        if window_us < TRADE_WINDOW_US {
+        let Some(w) = p.trades.add(cost_s, now_us) else {
             return;
-        }
-        if w.cost_s > self.trade_budget * window_us as f64 * 1e-6 {
+        };
+        if w.share() > self.trade_budget {
             self.own_stream_peaks.store(true, Ordering::Relaxed);
             // The pages each stream took from others are its own from now on: no marks for
             // handing them back (see `mark`), unless trading resumes at the memory cap.
@@ -503,17 +621,59 @@ impl PagePool {
                 l.idle_unmarked = false;
             }
             p.stopped_trading = Some(TradeStop {
-                at_us: now_us,
-                window_us,
+                at_us: w.at_us,
+                window_us: w.window_us,
                 cost_s: w.cost_s,
-                trades: w.trades,
+                trades: w.count,
                 budget: self.trade_budget,
             });
         }
-        *w = TradeWindow {
-            start_us: Some(now_us),
-            ..TradeWindow::default()
+    }
+
+    /// Counts a slow path that remapped virtual pages (unmapped them to point them at other
+    /// physical pages) and cost `cost_s` of driver time, at `now_us`. After
+    /// [`REMAP_WINDOWS_IN_A_ROW`] windows in a row over `remap_budget` in which the pool was
+    /// not growing, the spare pages rise by the last window's share of the time times
+    /// [`REMAP_SLACK_MAX`] (up to [`REMAP_SLACK_MAX`] in all): from then on a
+    /// virtual page that would be remapped gets a new page of its own while the pages held are
+    /// under the raised cap, and keeps it. A layout that repeats stops remapping after its
+    /// first steps and a warm-up grows the pool, so neither pays; a layout that keeps moving
+    /// (random sizes, batch shapes that change every step) buys back time with memory.
+    fn note_remap(&self, p: &mut Pages, cost_s: f64, now_us: u64) {
+        if !self.remap_budget.is_finite() || p.raised.added >= REMAP_SLACK_MAX - 1e-9 {
+            return;
+        }
+        let Some(w) = p.remaps_window.add(cost_s, now_us) else {
+            return;
         };
+        let (made, moved) = (
+            p.created - p.created_at_window,
+            p.remaps - p.remaps_at_window,
+        );
+        // Still growing: the window made at least a tenth as many pages as it remapped (a
+        // warm-up, a new largest batch). Spare pages would add to what growth adds anyway.
+        let grew = made * 10 >= moved.max(1);
+        p.created_at_window = p.created;
+        p.remaps_at_window = p.remaps;
+        if w.share() > self.remap_budget && !grew {
+            p.over_in_a_row += 1;
+        } else {
+            p.over_in_a_row = 0;
+        }
+        if p.over_in_a_row >= REMAP_WINDOWS_IN_A_ROW {
+            p.over_in_a_row = 0;
+            let step = REMAP_SLACK_MAX * w.share().min(1.0);
+            p.raised.added = (p.raised.added + step).min(REMAP_SLACK_MAX);
+            p.raised.raises += 1;
+            p.raised.last = Some(w);
+        }
+    }
+
+    /// The spare pages the remap budget added (see [`PolicyOptions::remap_budget`]), if it
+    /// added any.
+    pub fn spare_raised(&self) -> Option<SpareRaise> {
+        let p = self.inner.lock();
+        (p.raised.raises > 0).then_some(p.raised)
     }
 
     /// When and why the streams stopped taking each other's pages (see

@@ -307,7 +307,8 @@ impl PyAllocator {
     }
 
     /// What the policy changed on its own so far, one line each (for instance the stitched
-    /// policy's streams stopping page trading once it cost more than `trade_budget`).
+    /// policy's streams stopping page trading once it cost more than `trade_budget`, or its
+    /// spare pages raised once remapping cost more than `remap_budget`).
     fn policy_notes(&self) -> Vec<String> {
         self.inner.policy_notes()
     }
