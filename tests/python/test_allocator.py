@@ -210,6 +210,46 @@ def test_streams_stop_trading_pages_once_it_costs_more_than_the_budget():
     assert off.held_bytes <= 12 * MIB
 
 
+def _random_sizes_churn(a, seconds=None, ops=None, live=200):
+    """One stream keeping `live` blocks of random sizes (512 B to 64 MiB, log-uniform) alive,
+    freeing a random one and allocating another, for `ops` operations, or for up to `seconds`
+    of wall time or until the policy notes something."""
+    import math
+    import random
+
+    rng = random.Random(7)
+    blocks = []
+    n, start = 0, time.perf_counter()
+    while (ops is None or n < ops) and (
+        seconds is None or (time.perf_counter() - start < seconds and not a.policy_notes())
+    ):
+        if len(blocks) < live:
+            size = int(math.exp(rng.uniform(math.log(512), math.log(64 * MIB))))
+            blocks.append(a.allocate(size))
+        else:
+            a.free(blocks.pop(rng.randrange(len(blocks))))
+        n += 1
+    return blocks
+
+
+def test_remapping_over_the_budget_buys_spare_pages():
+    # Random sizes keep moving the layout, so the pool keeps pointing virtual pages at other
+    # physical pages; on the simulated device each remap costs its modelled driver time (tens
+    # of microseconds), far more than the wall time of an operation, so after three 100 ms
+    # windows the pool raises its spare pages and says so.
+    a = sim("policy:stitched", memory=16 * GIB)
+    _random_sizes_churn(a, seconds=10.0)
+    notes = a.policy_notes()
+    assert len(notes) == 1 and notes[0].startswith("stitched: spare pages raised to "), notes
+    assert "over the remap_budget of 20 %" in notes[0], notes
+    assert a.memory_summary().rstrip().endswith(notes[0]), "the summary ends with the note"
+
+    off = sim("policy:stitched,remap_budget:off", memory=16 * GIB)
+    _random_sizes_churn(off, ops=20_000)
+    assert off.policy_notes() == []
+    assert off.driver_calls().get("cuMemUnmap", 0) > 100, "the churn remaps"
+
+
 def test_segments_describe_the_blocks():
     a = sim()
     p = a.allocate(5 * MIB)
