@@ -304,10 +304,10 @@ pub struct PolicyOptions {
     pub remap_budget: f64,
 }
 
-/// Windows in a row over the remap budget, with no page created in them, before the spare pages
-/// are raised: remapping that goes on for 300 ms while the pool stops growing, not the burst
-/// of a warm-up or of a new batch shape (replays: two in a row happen on the U-Net trace with
-/// random resolutions, whose remapping stops by itself; three do not).
+/// Windows in a row over the remap budget, with the pool not growing in them, before the spare
+/// pages are raised: remapping that goes on for 300 ms after the pool stopped growing, not the
+/// burst of a warm-up or of a new batch shape (replays at a 10 % budget: two in a row happen
+/// on the U-Net trace with random resolutions, whose remapping stops by itself; three do not).
 pub const REMAP_WINDOWS_IN_A_ROW: u32 = 3;
 
 /// Most spare pages the remap budget adds (share of the peak in use); `slack:0.1` takes the

@@ -132,11 +132,12 @@ struct Pages {
     /// Driver time of the slow paths that remapped, in the current window (see
     /// `PagePool::note_remap`).
     remaps_window: BudgetWindow,
-    /// Pages created since the pool began, and when the current remap window began.
+    /// Pages created since the pool began; that count and `remaps` when the current remap
+    /// window began (to tell a growing pool from a churning one).
     created: u64,
     created_at_window: u64,
     remaps_at_window: u64,
-    /// Remap windows in a row over the budget with no page created.
+    /// Remap windows in a row over the budget while the pool was not growing.
     over_in_a_row: u32,
     /// Spare pages added by the remap budget (share of the peak in use), and why.
     raised: SpareRaise,
