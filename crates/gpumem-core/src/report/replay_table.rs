@@ -69,7 +69,8 @@ pub fn render(trace_name: &str, events: usize, results: &[PolicyResult]) -> Stri
                 "stitched makes {} driver calls in the last quarter of the trace (about {:.1} ms \
                  estimated): the layout keeps moving after warm-up, and in a real run these calls \
                  are host time. Add `--conf slack:0.08` to see what up to 8 % spare pages would \
-                 save (docs/stitched.md).\n",
+                 save. In a run, the pool adds spare pages by itself once remapping keeps taking \
+                 more than `remap_budget` of the time (a fifth by default; docs/stitched.md).\n",
                 r.calls_by_quarter[3],
                 1000.0 * r.est_seconds_by_quarter[3]
             ));
