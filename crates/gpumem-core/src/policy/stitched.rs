@@ -392,9 +392,11 @@ impl PagePool {
         mine: &ShardPages,
         vpages: &[u32],
         dev: &Device,
+        scratch: &mut ClaimScratch,
     ) -> Result<(), BackendError> {
-        let mut need: Vec<u32> = Vec::new();
-        let mut fast: Vec<u32> = Vec::new();
+        let ClaimScratch { need, fast } = scratch;
+        need.clear();
+        fast.clear();
         {
             let mut l = mine.local.lock();
             for &v in vpages {
@@ -412,7 +414,7 @@ impl PagePool {
                 return Ok(());
             }
         }
-        let result = self.claim_slow(me, &need, dev);
+        let result = self.claim_slow(me, need, dev);
         let mut l = mine.local.lock();
         match result {
             Ok(()) => {
@@ -423,7 +425,7 @@ impl PagePool {
             Err(e) => {
                 // Put back what was taken for this request.
                 l.busy -= fast.len() as u64;
-                for slot in fast {
+                for &slot in fast.iter() {
                     l.idle.push_front(slot);
                 }
                 Err(e)
@@ -1120,6 +1122,14 @@ fn runs(sorted: &[u32]) -> Vec<(u32, u32)> {
     out
 }
 
+/// The lists [`PagePool::claim`] fills: virtual pages that need a page from the pool, and
+/// pages taken back from the stream's own idle list (returned if the request fails).
+#[derive(Default)]
+struct ClaimScratch {
+    need: Vec<u32>,
+    fast: Vec<u32>,
+}
+
 /// The stitched policy for one stream.
 pub struct Stitched {
     stream: Stream,
@@ -1132,6 +1142,8 @@ pub struct Stitched {
     shift: u32,
     touch: Vec<u32>,
     fresh: Vec<u32>,
+    /// Scratch lists of [`PagePool::claim`], kept so that claiming pages allocates nothing.
+    scratch: ClaimScratch,
     /// Pages went idle that call for a mark (see [`PagePool::mark`]): recorded once the free
     /// is done, without taking the stream's page lock again on frees that need none.
     mark_due: bool,
@@ -1153,6 +1165,7 @@ impl Stitched {
             base: 0,
             touch: Vec::new(),
             fresh: Vec::new(),
+            scratch: ClaimScratch::default(),
             mark_due: false,
         }
     }
@@ -1240,7 +1253,10 @@ impl Stitched {
                 .pages
                 .as_ref()
                 .expect("initialised with the first allocation");
-            if let Err(e) = self.pool.claim(self.shard, sp, &self.fresh, dev) {
+            let claimed = self
+                .pool
+                .claim(self.shard, sp, &self.fresh, dev, &mut self.scratch);
+            if let Err(e) = claimed {
                 for v in self.page_range(addr, size) {
                     self.touch[v as usize] -= 1;
                 }
