@@ -104,6 +104,21 @@ fn flag(key: &str, v: &str) -> Result<bool, AllocError> {
     }
 }
 
+/// A share of the time in (0, 1], or `off` (infinite: never), for the budget keys.
+fn share_or_off(key: &str, v: &str) -> Result<f64, AllocError> {
+    if v == "off" {
+        return Ok(f64::INFINITY);
+    }
+    v.parse::<f64>()
+        .ok()
+        .filter(|f| *f > 0.0 && *f <= 1.0)
+        .ok_or_else(|| {
+            AllocError::Config(format!(
+                "{key}:{v}: expected a share of the time in (0, 1], or off"
+            ))
+        })
+}
+
 impl Config {
     /// Parses `key:value,key:value`. Unknown keys and bad values are errors that name them.
     pub fn parse(text: &str) -> Result<Config, AllocError> {
@@ -172,34 +187,8 @@ impl Config {
                         }
                     }
                 }
-                "trade_budget" => {
-                    c.options.trade_budget = if v == "off" {
-                        f64::INFINITY
-                    } else {
-                        v.parse::<f64>()
-                            .ok()
-                            .filter(|f| *f > 0.0 && *f <= 1.0)
-                            .ok_or_else(|| {
-                                AllocError::Config(format!(
-                                    "trade_budget:{v}: expected a share of the time in (0, 1], or off"
-                                ))
-                            })?
-                    }
-                }
-                "remap_budget" => {
-                    c.options.remap_budget = if v == "off" {
-                        f64::INFINITY
-                    } else {
-                        v.parse::<f64>()
-                            .ok()
-                            .filter(|f| *f > 0.0 && *f <= 1.0)
-                            .ok_or_else(|| {
-                                AllocError::Config(format!(
-                                    "remap_budget:{v}: expected a share of the time in (0, 1], or off"
-                                ))
-                            })?
-                    }
-                }
+                "trade_budget" => c.options.trade_budget = share_or_off(k, v)?,
+                "remap_budget" => c.options.remap_budget = share_or_off(k, v)?,
                 "history" => {
                     c.history = v.parse().map_err(|_| {
                         AllocError::Config(format!("history:{v}: expected a number of entries"))

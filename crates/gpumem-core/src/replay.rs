@@ -272,14 +272,13 @@ pub fn replay_on(
     // Events recorded by the policy, with the trace time they were recorded at (GPU lag model).
     let mut lagging: std::collections::VecDeque<(u64, EventHandle)> = Default::default();
     let mut previous_time = 0u64;
-    // The policies measure their driver time against the trace's clock, as the recorded
-    // program ran, not against the replay's.
-    let device = alloc.device().clone();
     for (i, e) in trace.events.iter().enumerate() {
         if i % quarter == 0 && i > 0 {
             calls_at.push(alloc.driver_calls());
         }
-        device.set_trace_time_us(e.time_us);
+        // The policies measure their driver time against the trace's clock, as the recorded
+        // program ran, not against the replay's.
+        alloc.device().set_trace_time_us(e.time_us);
         if let (Some(lag), Some(ctl)) = (opts.gpu_lag_us, events.as_ref()) {
             // What the previous operation recorded, at its time; then what the GPU has passed
             // by now.

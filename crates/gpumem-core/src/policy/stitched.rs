@@ -241,14 +241,8 @@ impl std::fmt::Display for SpareRaise {
 /// own peak of pages (as with `stream_pages:own`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TradeStop {
-    /// Device clock when it happened, microseconds (trace time in a replay).
-    pub at_us: u64,
-    /// Length of the window.
-    pub window_us: u64,
-    /// Driver seconds the window's trades took.
-    pub cost_s: f64,
-    /// Allocations (slow paths) that took pages from another stream in the window.
-    pub trades: u64,
+    /// The window; its slow paths are the allocations that took pages from another stream.
+    pub window: ClosedWindow,
     /// The budget they went over (share of the window).
     pub budget: f64,
 }
@@ -262,10 +256,10 @@ impl std::fmt::Display for TradeStop {
              the trade_budget of {:.0} %); from then on each stream keeps as many pages as its \
              own peak (as with stream_pages:own), which holds more memory and makes fewer driver \
              calls",
-            self.trades,
-            self.cost_s * 1e3,
-            self.window_us as f64 * 1e-3,
-            100.0 * self.cost_s / (self.window_us as f64 * 1e-6).max(1e-9),
+            self.window.count,
+            self.window.cost_s * 1e3,
+            self.window.window_us as f64 * 1e-3,
+            100.0 * self.window.share(),
             100.0 * self.budget
         )
     }
@@ -624,10 +618,7 @@ impl PagePool {
                 l.idle_unmarked = false;
             }
             p.stopped_trading = Some(TradeStop {
-                at_us: w.at_us,
-                window_us: w.window_us,
-                cost_s: w.cost_s,
-                trades: w.count,
+                window: w,
                 budget: self.trade_budget,
             });
         }
