@@ -25,6 +25,17 @@
 //! - Per order, the same kind of bitmap over arena slots says which arenas hold a free block
 //!   of that order, and one `u64` says which orders have any: the smallest order `>= o` is one
 //!   `trailing_zeros`.
+//!
+//! Merging is lazy by one block per order. A block freed while its order has no parked block
+//! is parked: kept whole, unmerged, still filed in `live`. The next request of its order takes
+//! it back, unless the free blocks hold one of an older arena (then it is merged and placement
+//! goes on as usual). Every parked block is merged before placement would need a new arena and
+//! before the cache is released. A free then an allocation of the same size (a training step,
+//! the benchmark's same-size case) then costs no split and no merge: a 1 MiB block in a fresh
+//! 64 MiB arena was split six times on each allocation and merged six times on each free.
+//! Parking changes placement a little: of the 13 recorded traces, 10 replay to the same
+//! peak, llama_decode needs one 64 MiB arena fewer, serve_threads and vit_accum one more
+//! (BENCHMARKS.md §1, session 11). Without the older-arena rule prefetch_mlp needed two more.
 
 use super::{BlockInfo, BlockKind, Placement, Policy, SegmentInfo};
 use crate::backend::{DevPtr, Stream};
@@ -32,7 +43,6 @@ use crate::device::Device;
 use crate::error::BackendError;
 use crate::stats::{MemoryStats, Pool};
 use rustc_hash::FxHashMap;
-use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 
 const MIN_ORDER: u32 = 9; // 512 B
@@ -338,15 +348,31 @@ impl ByOrder {
     }
 }
 
-/// A block handed out (and, if `pending`, freed but not yet reusable).
+/// Where a block of `Buddy::live` is in its life.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Held {
+    /// Handed out.
+    Allocated,
+    /// Freed by the user, waiting for other streams.
+    Pending,
+    /// Free, parked unmerged for the next request of its order.
+    Parked,
+}
+
+/// A block handed out, waiting, or parked.
 struct Live {
     requested: u64,
     /// The arena's index in `Buddy::arenas`.
     slot: u32,
     order: u8,
     pool: Pool,
-    pending: bool,
+    state: Held,
 }
+
+/// Orders that can park a block: those below an arena's (a split block).
+const PARK_ORDERS: usize = (ARENA_ORDER - MIN_ORDER) as usize;
+/// An empty parking place.
+const NOT_PARKED: u64 = u64::MAX;
 
 /// The buddy policy for one stream.
 pub struct Buddy {
@@ -358,6 +384,10 @@ pub struct Buddy {
     /// Which arenas hold free blocks of each order (the blocks themselves are in the arenas).
     index: ByOrder,
     live: FxHashMap<u64, Live>,
+    /// The address of the block parked for each order from `MIN_ORDER` (or `NOT_PARKED`).
+    parked: [u64; PARK_ORDERS],
+    /// Bit `k - MIN_ORDER`: order `k` has a parked block.
+    parked_bits: u32,
     next_seq: u64,
     stats: MemoryStats,
 }
@@ -375,6 +405,8 @@ impl Buddy {
             by_base: BTreeMap::new(),
             index: ByOrder::new(),
             live: FxHashMap::default(),
+            parked: [NOT_PARKED; PARK_ORDERS],
+            parked_bits: 0,
             next_seq: 0,
             stats: MemoryStats::default(),
         }
@@ -406,12 +438,75 @@ impl Buddy {
         Ok(slot)
     }
 
-    /// Returns the live block `l` at `addr` to the free blocks, merging it with free buddies.
-    fn put_back(&mut self, addr: u64, l: Live) {
-        self.stats.block_released(l.pool, 1 << l.order, l.requested);
-        let slot = l.slot as usize;
+    /// The block at `addr`, freed by the user and no longer waiting (still in `live`), stops
+    /// being active: it is parked if its order has no parked block, and otherwise merged into
+    /// the free blocks at once.
+    fn retire(&mut self, addr: u64) {
+        let Some(l) = self.live.get_mut(&addr) else {
+            return;
+        };
+        let (order, slot) = (u32::from(l.order), l.slot as usize);
+        self.stats.block_released(l.pool, 1 << order, l.requested);
+        let i = order.wrapping_sub(MIN_ORDER) as usize;
+        if i < PARK_ORDERS && self.parked[i] == NOT_PARKED {
+            l.state = Held::Parked;
+            l.requested = 0;
+            self.parked[i] = addr;
+            self.parked_bits |= 1 << i;
+            // A parked block is a free piece of a split arena, as a free block is.
+            let pool = self.arenas[slot].pool;
+            self.stats.inactive_split.inc(pool, 1);
+            self.stats.inactive_split_bytes.inc(pool, 1 << order);
+            return;
+        }
+        self.live.remove(&addr);
+        self.merge_free(addr, slot, order);
+    }
+
+    /// Hands the block parked at `addr` (of order `order`) out again for `size` bytes.
+    fn unpark(&mut self, addr: u64, order: u32, size: u64) -> Placement {
+        let i = (order - MIN_ORDER) as usize;
+        self.parked[i] = NOT_PARKED;
+        self.parked_bits &= !(1 << i);
+        let l = self.live.get_mut(&addr).expect("a parked block is in live");
+        debug_assert_eq!((l.state, u32::from(l.order)), (Held::Parked, order));
+        l.state = Held::Allocated;
+        l.requested = size;
+        let pool = self.arenas[l.slot as usize].pool;
+        self.stats.inactive_split.dec(pool, 1);
+        self.stats.inactive_split_bytes.dec(pool, 1 << order);
+        self.stats.block_handed_out(l.pool, 1 << order, size);
+        Placement {
+            addr,
+            size: 1 << order,
+            handle: super::NO_HANDLE,
+        }
+    }
+
+    /// Merges the block parked for order `i + MIN_ORDER` into the free blocks.
+    fn unpark_to_free(&mut self, i: usize) {
+        let addr = self.parked[i];
+        self.parked[i] = NOT_PARKED;
+        self.parked_bits &= !(1 << i);
+        let l = self.live.remove(&addr).expect("a parked block is in live");
+        let (order, slot) = (u32::from(l.order), l.slot as usize);
+        let pool = self.arenas[slot].pool;
+        self.stats.inactive_split.dec(pool, 1);
+        self.stats.inactive_split_bytes.dec(pool, 1 << order);
+        self.merge_free(addr, slot, order);
+    }
+
+    /// Merges every parked block into the free blocks, smallest order first.
+    fn flush_parked(&mut self) {
+        while self.parked_bits != 0 {
+            self.unpark_to_free(self.parked_bits.trailing_zeros() as usize);
+        }
+    }
+
+    /// Files the free block of order `order` at `addr` (in the arena at `slot`), merging it with
+    /// free buddies.
+    fn merge_free(&mut self, addr: u64, slot: usize, order: u32) {
         let a = &mut self.arenas[slot];
-        let order = u32::from(l.order);
         let (mut off, mut k) = (addr - a.base, order);
         while k < a.order {
             let buddy = (off >> k) as usize ^ 1;
@@ -452,8 +547,30 @@ impl Policy for Buddy {
                 "request larger than the buddy allocator's largest order",
             ));
         }
+        let i = order.wrapping_sub(MIN_ORDER) as usize;
+        if i < PARK_ORDERS && self.parked[i] != NOT_PARKED {
+            let addr = self.parked[i];
+            // Placement takes older arenas first; the parked block is handed back unless the
+            // free blocks offer one of an older arena (then it is merged, and placed as usual).
+            let fit = self.index.orders >> order;
+            let older = fit != 0 && {
+                let k = order + fit.trailing_zeros();
+                let slot = self.index.slots[k as usize].first();
+                slot.expect("an arena is filed under each order in use")
+                    < self.live[&addr].slot as usize
+            };
+            if !older {
+                return Ok(self.unpark(addr, order, size));
+            }
+            self.unpark_to_free(i);
+        }
         let pool = Pool::of(1 << order);
-        let fit = self.index.orders >> order;
+        let mut fit = self.index.orders >> order;
+        if fit == 0 && self.parked_bits != 0 {
+            // Merging the parked blocks may make room without a new arena.
+            self.flush_parked();
+            fit = self.index.orders >> order;
+        }
         let (slot, mut k, off) = if fit != 0 {
             let k = order + fit.trailing_zeros();
             let slot = self.index.slots[k as usize]
@@ -495,7 +612,7 @@ impl Policy for Buddy {
                 slot: slot as u32,
                 requested: size,
                 pool,
-                pending: false,
+                state: Held::Allocated,
             },
         );
         let bytes = 1u64 << order;
@@ -509,41 +626,42 @@ impl Policy for Buddy {
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
         let l = self.live.get_mut(&addr)?;
-        if l.pending {
+        if l.state != Held::Allocated {
             return None;
         }
-        l.pending = true;
+        l.state = Held::Pending;
         let (pool, bytes) = (l.pool, 1u64 << l.order);
         self.stats.block_freed(pool, bytes);
         Some(bytes)
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
-        if let Entry::Occupied(e) = self.live.entry(addr) {
-            if e.get().pending {
-                let l = e.remove();
-                self.put_back(addr, l);
-            }
+        if self
+            .live
+            .get(&addr)
+            .is_some_and(|l| l.state == Held::Pending)
+        {
+            self.retire(addr);
         }
         Ok(())
     }
 
-    /// `free_requested` then `release`, with one lookup.
+    /// `free_requested` then `release`.
     fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        let Entry::Occupied(e) = self.live.entry(addr) else {
+        let Some(l) = self.live.get(&addr) else {
             return Ok(None);
         };
-        if e.get().pending {
+        if l.state != Held::Allocated {
             return Ok(None);
         }
-        let l = e.remove();
         let bytes = 1u64 << l.order;
         self.stats.block_freed(l.pool, bytes);
-        self.put_back(addr, l);
+        self.retire(addr);
         Ok(Some(bytes))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
+        self.flush_parked();
         // Whole free arenas, returned in address order.
         let whole: Vec<usize> = self
             .by_base
@@ -601,9 +719,13 @@ impl Policy for Buddy {
     }
 
     fn largest_free(&self) -> u64 {
-        match self.index.orders {
+        let parked = match self.parked_bits {
             0 => 0,
-            o => 1 << (63 - o.leading_zeros()),
+            b => 1 << (31 - b.leading_zeros() + MIN_ORDER),
+        };
+        match self.index.orders {
+            0 => parked,
+            o => parked.max(1 << (63 - o.leading_zeros())),
         }
     }
 
@@ -620,10 +742,10 @@ impl Policy for Buddy {
                         addr: p,
                         size: 1 << l.order,
                         requested: l.requested,
-                        kind: if l.pending {
-                            BlockKind::Pending
-                        } else {
-                            BlockKind::Allocated
+                        kind: match l.state {
+                            Held::Allocated => BlockKind::Allocated,
+                            Held::Pending => BlockKind::Pending,
+                            Held::Parked => BlockKind::Free,
                         },
                     })
                     .collect();
@@ -648,10 +770,19 @@ impl Policy for Buddy {
     }
 
     fn is_allocated(&self, addr: DevPtr) -> bool {
-        self.live.get(&addr).is_some_and(|l| !l.pending)
+        self.live
+            .get(&addr)
+            .is_some_and(|l| l.state == Held::Allocated)
     }
 
     fn is_free_block(&self, addr: DevPtr) -> bool {
+        if self
+            .live
+            .get(&addr)
+            .is_some_and(|l| l.state == Held::Parked)
+        {
+            return true;
+        }
         self.find_slot(addr).is_some_and(|s| {
             let a = &self.arenas[s];
             let off = addr - a.base;
@@ -716,6 +847,28 @@ impl Policy for Buddy {
                     }
                 }
             }
+        }
+        // Parked blocks: one per order at most, each in `live` as parked, of its order, and
+        // counted as a free piece of a split arena.
+        let mut parked = 0;
+        for (&p, l) in &self.live {
+            if l.state != Held::Parked {
+                continue;
+            }
+            parked += 1;
+            let i = usize::from(l.order) - MIN_ORDER as usize;
+            if self.parked.get(i) != Some(&p) || self.parked_bits >> i & 1 == 0 {
+                return Err(format!("parked block {p:#x} not filed under its order"));
+            }
+            let pool = self.arenas[l.slot as usize].pool;
+            split[pool as usize] += 1;
+            split_bytes[pool as usize] += 1 << l.order;
+        }
+        let filed = |i: usize| self.parked[i] != NOT_PARKED;
+        if parked != self.parked_bits.count_ones()
+            || (0..PARK_ORDERS).any(|i| filed(i) != (self.parked_bits >> i & 1 != 0))
+        {
+            return Err("parking places disagree with the parked blocks".into());
         }
         for (k, s) in self.index.slots.iter().enumerate() {
             s.check().map_err(|e| format!("arenas of order {k}: {e}"))?;
@@ -794,10 +947,54 @@ mod tests {
             b.release(p.addr, &d).unwrap();
         }
         b.check().unwrap();
-        assert_eq!(b.stats().inactive_split.all.current, 0);
-        assert_eq!(b.largest_free(), 1 << ARENA_ORDER);
+        // Both are parked, unmerged: two more free pieces of a split arena, and the largest
+        // free block is still the arena's upper half.
+        assert_eq!(
+            b.stats().inactive_split.all.current,
+            i64::from(ARENA_ORDER - 11) + 2
+        );
+        assert_eq!(b.largest_free(), 1 << (ARENA_ORDER - 1));
+        assert!(b.is_free_block(x.addr) && !b.is_allocated(x.addr));
+        // The next request of x's order takes x back, with nothing split.
+        let again = b.allocate(900, &d).unwrap();
+        assert_eq!((again.addr, again.size), (x.addr, 1024));
+        assert_eq!(
+            b.stats().inactive_split.all.current,
+            i64::from(ARENA_ORDER - 11) + 1
+        );
+        assert_eq!(b.free(again.addr, &d).unwrap(), Some(1024));
+        assert_eq!(
+            b.free(again.addr, &d).unwrap(),
+            None,
+            "a parked block is not freed twice"
+        );
+        // Releasing the cache merges the parked blocks and returns the whole arena.
         assert_eq!(b.release_cached(&d).unwrap(), 1 << ARENA_ORDER);
+        b.check().unwrap();
+        assert_eq!(b.stats().inactive_split.all.current, 0);
         assert_eq!(d.lock().held(), 0);
+    }
+
+    /// A request that finds no free block merges the parked ones before asking for an arena.
+    #[test]
+    fn parked_blocks_merge_before_a_new_arena() {
+        let d = Device::new(
+            Box::new(SimBackend::new(SimConfig::default()).0),
+            CostModel::zero(),
+        );
+        let mut b = Buddy::new(0);
+        let half = 1u64 << (ARENA_ORDER - 1);
+        let (lo, hi) = (b.allocate(half, &d).unwrap(), b.allocate(half, &d).unwrap());
+        assert_eq!(hi.addr, lo.addr + half);
+        b.free(lo.addr, &d).unwrap();
+        b.free(hi.addr, &d).unwrap();
+        // lo is parked; hi could not park (its order's place is taken) and stays free beside it.
+        b.check().unwrap();
+        assert_eq!(b.largest_free(), half);
+        let whole = b.allocate(half + 1, &d).unwrap();
+        assert_eq!((whole.addr, whole.size), (lo.addr, 2 * half));
+        assert_eq!(d.lock().held(), 2 * half, "no second arena");
+        b.check().unwrap();
     }
 
     /// Where the device puts each arena must not change which blocks are chosen: the same
@@ -856,6 +1053,13 @@ mod tests {
         free: Vec<BTreeSet<(u64, u64)>>,
         /// (order, requested, pool, pending) by (seq, offset).
         live: HashMap<(u64, u64), (u32, u64, Pool, bool)>,
+        /// The block parked for each order, if any.
+        parked: Vec<Option<(u64, u64)>>,
+        /// Parked blocks handed back, merged for an older arena's block, and merged before a
+        /// new arena would be needed (so the test can tell it went through each).
+        reused: usize,
+        older: usize,
+        flushed: usize,
         next_seq: u64,
         stats: MemoryStats,
     }
@@ -866,8 +1070,48 @@ mod tests {
                 arenas: BTreeMap::new(),
                 free: vec![BTreeSet::new(); MAX_ORDER as usize + 1],
                 live: HashMap::new(),
+                parked: vec![None; MAX_ORDER as usize + 1],
+                reused: 0,
+                older: 0,
+                flushed: 0,
                 next_seq: 0,
                 stats: MemoryStats::default(),
+            }
+        }
+
+        /// Counts or uncounts the parked block at `at` of order `k` as an inactive split.
+        fn count_parked(&mut self, at: (u64, u64), k: u32, on: bool) {
+            let pool = self.arenas[&at.0].1;
+            if on {
+                self.stats.inactive_split.inc(pool, 1);
+                self.stats.inactive_split_bytes.inc(pool, 1 << k);
+            } else {
+                self.stats.inactive_split.dec(pool, 1);
+                self.stats.inactive_split_bytes.dec(pool, 1 << k);
+            }
+        }
+
+        /// Merges the free block of order `k` at `at` with its free buddies.
+        fn merge(&mut self, at: (u64, u64), mut k: u32) {
+            let (seq, mut off) = at;
+            while k < self.arenas[&seq].0 && self.take(seq, off ^ (1 << k), k) {
+                off &= !(1 << k);
+                k += 1;
+            }
+            self.push(seq, off, k);
+        }
+
+        fn unpark_to_free(&mut self, k: u32) {
+            let at = self.parked[k as usize].take().unwrap();
+            self.count_parked(at, k, false);
+            self.merge(at, k);
+        }
+
+        fn flush(&mut self) {
+            for k in 0..=MAX_ORDER {
+                if self.parked[k as usize].is_some() {
+                    self.unpark_to_free(k);
+                }
             }
         }
 
@@ -896,8 +1140,29 @@ mod tests {
         fn allocate(&mut self, size: u64) -> (u64, u64) {
             let order = order_of(size);
             let pool = Pool::of(1 << order);
-            let found = (order..=MAX_ORDER)
-                .find_map(|k| self.free[k as usize].first().map(|&(s, o)| (k, s, o)));
+            let find = |m: &Self| {
+                (order..=MAX_ORDER)
+                    .find_map(|k| m.free[k as usize].first().map(|&(s, o)| (k, s, o)))
+            };
+            if let Some(at) = self.parked[order as usize] {
+                if find(self).is_some_and(|(_, s, _)| s < at.0) {
+                    self.older += 1;
+                    self.unpark_to_free(order);
+                } else {
+                    self.reused += 1;
+                    self.parked[order as usize] = None;
+                    self.count_parked(at, order, false);
+                    self.live.insert(at, (order, size, pool, false));
+                    self.stats.block_handed_out(pool, 1 << order, size);
+                    return at;
+                }
+            }
+            let mut found = find(self);
+            if found.is_none() && self.parked.iter().any(Option::is_some) {
+                self.flushed += 1;
+                self.flush();
+                found = find(self);
+            }
             let (mut k, seq, off) = found.unwrap_or_else(|| {
                 let aorder = order.max(ARENA_ORDER);
                 let seq = self.next_seq;
@@ -932,15 +1197,16 @@ mod tests {
             }
             let (order, requested, pool, _) = self.live.remove(&at).unwrap();
             self.stats.block_released(pool, 1 << order, requested);
-            let ((seq, mut off), mut k) = (at, order);
-            while k < self.arenas[&seq].0 && self.take(seq, off ^ (1 << k), k) {
-                off &= !(1 << k);
-                k += 1;
+            if order < ARENA_ORDER && self.parked[order as usize].is_none() {
+                self.parked[order as usize] = Some(at);
+                self.count_parked(at, order, true);
+            } else {
+                self.merge(at, order);
             }
-            self.push(seq, off, k);
         }
 
         fn release_cached(&mut self) -> u64 {
+            self.flush();
             let whole: Vec<(u64, u32)> = (self.arenas.iter())
                 .filter(|(&s, &(o, _))| self.free[o as usize].contains(&(s, 0)))
                 .map(|(&s, &(o, _))| (s, o))
@@ -953,13 +1219,13 @@ mod tests {
         }
 
         fn is_free(&self, at: (u64, u64)) -> bool {
-            self.free.iter().any(|s| s.contains(&at))
+            self.free.iter().any(|s| s.contains(&at)) || self.parked.contains(&Some(at))
         }
 
         fn largest_free(&self) -> u64 {
             (0..=MAX_ORDER)
                 .rev()
-                .find(|&k| !self.free[k as usize].is_empty())
+                .find(|&k| !self.free[k as usize].is_empty() || self.parked[k as usize].is_some())
                 .map_or(0, |k| 1 << k)
         }
     }
@@ -970,6 +1236,7 @@ mod tests {
     #[test]
     fn placements_match_a_reference_model() {
         let (mut compacted, mut huge) = (0, 0);
+        let (mut reused, mut older, mut flushed) = (0, 0, 0);
         for seed in [1u64, 2, 3, 0x9e37_79b9_7f4a_7c15] {
             let d = Device::new(
                 Box::new(SimBackend::new(SimConfig::default()).0),
@@ -1051,7 +1318,13 @@ mod tests {
             assert_eq!(b.stats(), &m.stats);
             assert!(b.arenas.is_empty() && b.segments().is_empty());
             assert_eq!(d.lock().held(), 0);
+            (reused, older, flushed) = (reused + m.reused, older + m.older, flushed + m.flushed);
         }
+        // Every path of parking was taken often.
+        assert!(
+            reused > 5_000 && older > 1_000 && flushed > 200,
+            "parked blocks reused {reused}, merged for older arenas {older}, flushed {flushed}"
+        );
         assert!(
             compacted > 10,
             "too few cache releases that kept arenas: {compacted}"
