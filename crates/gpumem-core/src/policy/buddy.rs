@@ -386,6 +386,8 @@ pub struct Buddy {
     live: FxHashMap<u64, Live>,
     /// The address of the block parked for each order from `MIN_ORDER` (or `NOT_PARKED`).
     parked: [u64; PARK_ORDERS],
+    /// The arena slot of each parked block.
+    parked_slot: [u32; PARK_ORDERS],
     /// Bit `k - MIN_ORDER`: order `k` has a parked block.
     parked_bits: u32,
     next_seq: u64,
@@ -406,6 +408,7 @@ impl Buddy {
             index: ByOrder::new(),
             live: FxHashMap::default(),
             parked: [NOT_PARKED; PARK_ORDERS],
+            parked_slot: [0; PARK_ORDERS],
             parked_bits: 0,
             next_seq: 0,
             stats: MemoryStats::default(),
@@ -438,29 +441,33 @@ impl Buddy {
         Ok(slot)
     }
 
-    /// The block at `addr`, freed by the user and no longer waiting (still in `live`), stops
-    /// being active: it is parked if its order has no parked block, and otherwise merged into
-    /// the free blocks at once.
-    fn retire(&mut self, addr: u64) {
-        let Some(l) = self.live.get_mut(&addr) else {
-            return;
-        };
+    /// The block at `addr`, if it is `from` (handed out, or freed and waiting), stops being
+    /// active: it is parked if its order has no parked block, and otherwise merged into the
+    /// free blocks at once. Returns its size, or `None` if no block at `addr` is `from`.
+    #[inline]
+    fn retire(&mut self, addr: u64, from: Held) -> Option<u64> {
+        let l = self.live.get_mut(&addr).filter(|l| l.state == from)?;
         let (order, slot) = (u32::from(l.order), l.slot as usize);
+        if from == Held::Allocated {
+            self.stats.block_freed(l.pool, 1 << order);
+        }
         self.stats.block_released(l.pool, 1 << order, l.requested);
         let i = order.wrapping_sub(MIN_ORDER) as usize;
         if i < PARK_ORDERS && self.parked[i] == NOT_PARKED {
             l.state = Held::Parked;
             l.requested = 0;
             self.parked[i] = addr;
+            self.parked_slot[i] = slot as u32;
             self.parked_bits |= 1 << i;
             // A parked block is a free piece of a split arena, as a free block is.
             let pool = self.arenas[slot].pool;
             self.stats.inactive_split.inc(pool, 1);
             self.stats.inactive_split_bytes.inc(pool, 1 << order);
-            return;
+            return Some(1 << order);
         }
         self.live.remove(&addr);
         self.merge_free(addr, slot, order);
+        Some(1 << order)
     }
 
     /// Hands the block parked at `addr` (of order `order`) out again for `size` bytes.
@@ -557,7 +564,7 @@ impl Policy for Buddy {
                 let k = order + fit.trailing_zeros();
                 let slot = self.index.slots[k as usize].first();
                 slot.expect("an arena is filed under each order in use")
-                    < self.live[&addr].slot as usize
+                    < self.parked_slot[i] as usize
             };
             if !older {
                 return Ok(self.unpark(addr, order, size));
@@ -636,28 +643,13 @@ impl Policy for Buddy {
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
-        if self
-            .live
-            .get(&addr)
-            .is_some_and(|l| l.state == Held::Pending)
-        {
-            self.retire(addr);
-        }
+        self.retire(addr, Held::Pending);
         Ok(())
     }
 
-    /// `free_requested` then `release`.
+    /// `free_requested` then `release`, with one lookup.
     fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        let Some(l) = self.live.get(&addr) else {
-            return Ok(None);
-        };
-        if l.state != Held::Allocated {
-            return Ok(None);
-        }
-        let bytes = 1u64 << l.order;
-        self.stats.block_freed(l.pool, bytes);
-        self.retire(addr);
-        Ok(Some(bytes))
+        Ok(self.retire(addr, Held::Allocated))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
@@ -857,7 +849,10 @@ impl Policy for Buddy {
             }
             parked += 1;
             let i = usize::from(l.order) - MIN_ORDER as usize;
-            if self.parked.get(i) != Some(&p) || self.parked_bits >> i & 1 == 0 {
+            if self.parked.get(i) != Some(&p)
+                || self.parked_slot[i] != l.slot
+                || self.parked_bits >> i & 1 == 0
+            {
                 return Err(format!("parked block {p:#x} not filed under its order"));
             }
             let pool = self.arenas[l.slot as usize].pool;
