@@ -357,10 +357,13 @@ enum Held {
     Pending,
     /// Free, parked unmerged for the next request of its order.
     Parked,
+    /// An entry of `Buddy::slab` no block uses (its block merged back into the free blocks).
+    Vacant,
 }
 
 /// A block handed out, waiting, or parked.
 struct Live {
+    addr: u64,
     requested: u64,
     /// The arena's index in `Buddy::arenas`.
     slot: u32,
@@ -372,7 +375,7 @@ struct Live {
 /// Orders that can park a block: those below an arena's (a split block).
 const PARK_ORDERS: usize = (ARENA_ORDER - MIN_ORDER) as usize;
 /// An empty parking place.
-const NOT_PARKED: u64 = u64::MAX;
+const NOT_PARKED: u32 = u32::MAX;
 
 /// The buddy policy for one stream.
 pub struct Buddy {
@@ -383,9 +386,15 @@ pub struct Buddy {
     by_base: BTreeMap<u64, u32>,
     /// Which arenas hold free blocks of each order (the blocks themselves are in the arenas).
     index: ByOrder,
-    live: FxHashMap<u64, Live>,
-    /// The address of the block parked for each order from `MIN_ORDER` (or `NOT_PARKED`).
-    parked: [u64; PARK_ORDERS],
+    /// Blocks handed out, waiting or parked, by handle (the index an allocation's handle
+    /// carries, so that freeing by handle needs no lookup); vacant entries are listed in
+    /// `vacant`.
+    slab: Vec<Live>,
+    vacant: Vec<u32>,
+    /// Handles by address, for frees and queries by pointer.
+    live: FxHashMap<u64, u32>,
+    /// The handle of the block parked for each order from `MIN_ORDER` (or `NOT_PARKED`).
+    parked: [u32; PARK_ORDERS],
     /// The arena slot of each parked block.
     parked_slot: [u32; PARK_ORDERS],
     /// Bit `k - MIN_ORDER`: order `k` has a parked block.
@@ -406,6 +415,8 @@ impl Buddy {
             arenas: Vec::new(),
             by_base: BTreeMap::new(),
             index: ByOrder::new(),
+            slab: Vec::new(),
+            vacant: Vec::new(),
             live: FxHashMap::default(),
             parked: [NOT_PARKED; PARK_ORDERS],
             parked_slot: [0; PARK_ORDERS],
@@ -445,9 +456,12 @@ impl Buddy {
     /// active: it is parked if its order has no parked block, and otherwise merged into the
     /// free blocks at once. Returns its size, or `None` if no block at `addr` is `from`.
     #[inline]
-    fn retire(&mut self, addr: u64, from: Held) -> Option<u64> {
-        let l = self.live.get_mut(&addr).filter(|l| l.state == from)?;
-        let (order, slot) = (u32::from(l.order), l.slot as usize);
+    fn retire(&mut self, h: u32, from: Held) -> Option<u64> {
+        let l = &mut self.slab[h as usize];
+        if l.state != from {
+            return None;
+        }
+        let (addr, order, slot) = (l.addr, u32::from(l.order), l.slot as usize);
         if from == Held::Allocated {
             self.stats.block_freed(l.pool, 1 << order);
         }
@@ -456,7 +470,7 @@ impl Buddy {
         if i < PARK_ORDERS && self.parked[i] == NOT_PARKED {
             l.state = Held::Parked;
             l.requested = 0;
-            self.parked[i] = addr;
+            self.parked[i] = h;
             self.parked_slot[i] = slot as u32;
             self.parked_bits |= 1 << i;
             // A parked block is a free piece of a split arena, as a free block is.
@@ -465,17 +479,56 @@ impl Buddy {
             self.stats.inactive_split_bytes.inc(pool, 1 << order);
             return Some(1 << order);
         }
-        self.live.remove(&addr);
+        self.forget(h);
         self.merge_free(addr, slot, order);
         Some(1 << order)
     }
 
-    /// Hands the block parked at `addr` (of order `order`) out again for `size` bytes.
-    fn unpark(&mut self, addr: u64, order: u32, size: u64) -> Placement {
+    /// Files a new block as handed out; returns its handle.
+    #[inline]
+    fn file(&mut self, l: Live) -> u32 {
+        let addr = l.addr;
+        let h = match self.vacant.pop() {
+            Some(h) => {
+                self.slab[h as usize] = l;
+                h
+            }
+            None => {
+                self.slab.push(l);
+                (self.slab.len() - 1) as u32
+            }
+        };
+        self.live.insert(addr, h);
+        h
+    }
+
+    /// Drops the entry of handle `h` (a block merged back into the free blocks).
+    #[inline]
+    fn forget(&mut self, h: u32) {
+        let l = &mut self.slab[h as usize];
+        l.state = Held::Vacant;
+        self.live.remove(&l.addr);
+        self.vacant.push(h);
+    }
+
+    /// The handle of the block at `addr`, if one is filed there.
+    #[inline]
+    fn handle_at(&self, addr: u64) -> Option<u32> {
+        self.live.get(&addr).copied()
+    }
+
+    /// The blocks filed, with their handles.
+    fn filed(&self) -> impl Iterator<Item = &Live> {
+        self.live.values().map(|&h| &self.slab[h as usize])
+    }
+
+    /// Hands the block parked under handle `h` (of order `order`) out again for `size` bytes.
+    #[inline]
+    fn unpark(&mut self, h: u32, order: u32, size: u64) -> Placement {
         let i = (order - MIN_ORDER) as usize;
         self.parked[i] = NOT_PARKED;
         self.parked_bits &= !(1 << i);
-        let l = self.live.get_mut(&addr).expect("a parked block is in live");
+        let l = &mut self.slab[h as usize];
         debug_assert_eq!((l.state, u32::from(l.order)), (Held::Parked, order));
         l.state = Held::Allocated;
         l.requested = size;
@@ -484,19 +537,20 @@ impl Buddy {
         self.stats.inactive_split_bytes.dec(pool, 1 << order);
         self.stats.block_handed_out(l.pool, 1 << order, size);
         Placement {
-            addr,
+            addr: l.addr,
             size: 1 << order,
-            handle: super::NO_HANDLE,
+            handle: h,
         }
     }
 
     /// Merges the block parked for order `i + MIN_ORDER` into the free blocks.
     fn unpark_to_free(&mut self, i: usize) {
-        let addr = self.parked[i];
+        let h = self.parked[i];
         self.parked[i] = NOT_PARKED;
         self.parked_bits &= !(1 << i);
-        let l = self.live.remove(&addr).expect("a parked block is in live");
-        let (order, slot) = (u32::from(l.order), l.slot as usize);
+        let l = &self.slab[h as usize];
+        let (addr, order, slot) = (l.addr, u32::from(l.order), l.slot as usize);
+        self.forget(h);
         let pool = self.arenas[slot].pool;
         self.stats.inactive_split.dec(pool, 1);
         self.stats.inactive_split_bytes.dec(pool, 1 << order);
@@ -556,7 +610,7 @@ impl Policy for Buddy {
         }
         let i = order.wrapping_sub(MIN_ORDER) as usize;
         if i < PARK_ORDERS && self.parked[i] != NOT_PARKED {
-            let addr = self.parked[i];
+            let h = self.parked[i];
             // Placement takes older arenas first; the parked block is handed back unless the
             // free blocks offer one of an older arena (then it is merged, and placed as usual).
             let fit = self.index.orders >> order;
@@ -567,7 +621,7 @@ impl Policy for Buddy {
                     < self.parked_slot[i] as usize
             };
             if !older {
-                return Ok(self.unpark(addr, order, size));
+                return Ok(self.unpark(h, order, size));
             }
             self.unpark_to_free(i);
         }
@@ -612,27 +666,26 @@ impl Policy for Buddy {
             }
         }
         let addr = a.base + off;
-        self.live.insert(
+        let handle = self.file(Live {
             addr,
-            Live {
-                order: order as u8,
-                slot: slot as u32,
-                requested: size,
-                pool,
-                state: Held::Allocated,
-            },
-        );
+            order: order as u8,
+            slot: slot as u32,
+            requested: size,
+            pool,
+            state: Held::Allocated,
+        });
         let bytes = 1u64 << order;
         self.stats.block_handed_out(pool, bytes, size);
         Ok(Placement {
             addr,
             size: bytes,
-            handle: super::NO_HANDLE,
+            handle,
         })
     }
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
-        let l = self.live.get_mut(&addr)?;
+        let h = self.handle_at(addr)?;
+        let l = &mut self.slab[h as usize];
         if l.state != Held::Allocated {
             return None;
         }
@@ -643,13 +696,31 @@ impl Policy for Buddy {
     }
 
     fn release(&mut self, addr: DevPtr, _dev: &Device) -> Result<(), BackendError> {
-        self.retire(addr, Held::Pending);
+        if let Some(h) = self.handle_at(addr) {
+            self.retire(h, Held::Pending);
+        }
         Ok(())
     }
 
     /// `free_requested` then `release`, with one lookup.
     fn free(&mut self, addr: DevPtr, _dev: &Device) -> Result<Option<u64>, BackendError> {
-        Ok(self.retire(addr, Held::Allocated))
+        Ok(self
+            .handle_at(addr)
+            .and_then(|h| self.retire(h, Held::Allocated)))
+    }
+
+    /// [`Policy::free`] by handle: no lookup when the handle names the block at `addr`.
+    #[inline]
+    fn free_handle(
+        &mut self,
+        handle: u32,
+        addr: DevPtr,
+        _dev: &Device,
+    ) -> Result<Option<u64>, BackendError> {
+        let named = (self.slab.get(handle as usize)).is_some_and(|l| l.addr == addr);
+        Ok(named
+            .then_some(handle)
+            .and_then(|h| self.retire(h, Held::Allocated)))
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
@@ -692,7 +763,8 @@ impl Policy for Buddy {
                 self.arenas.push(a);
             }
         }
-        for l in self.live.values_mut() {
+        for &h in self.live.values() {
+            let l = &mut self.slab[h as usize];
             l.slot = new_slot[l.slot as usize];
         }
         self.by_base = (self.arenas.iter().enumerate())
@@ -727,17 +799,16 @@ impl Policy for Buddy {
             .map(|&s| {
                 let a = &self.arenas[s as usize];
                 let mut blocks: Vec<BlockInfo> = self
-                    .live
-                    .iter()
-                    .filter(|(_, l)| l.slot == s)
-                    .map(|(&p, l)| BlockInfo {
-                        addr: p,
+                    .filed()
+                    .filter(|l| l.slot == s)
+                    .map(|l| BlockInfo {
+                        addr: l.addr,
                         size: 1 << l.order,
                         requested: l.requested,
                         kind: match l.state {
                             Held::Allocated => BlockKind::Allocated,
                             Held::Pending => BlockKind::Pending,
-                            Held::Parked => BlockKind::Free,
+                            Held::Parked | Held::Vacant => BlockKind::Free,
                         },
                     })
                     .collect();
@@ -762,17 +833,12 @@ impl Policy for Buddy {
     }
 
     fn is_allocated(&self, addr: DevPtr) -> bool {
-        self.live
-            .get(&addr)
-            .is_some_and(|l| l.state == Held::Allocated)
+        self.handle_at(addr)
+            .is_some_and(|h| self.slab[h as usize].state == Held::Allocated)
     }
 
     fn is_free_block(&self, addr: DevPtr) -> bool {
-        if self
-            .live
-            .get(&addr)
-            .is_some_and(|l| l.state == Held::Parked)
-        {
+        if (self.handle_at(addr)).is_some_and(|h| self.slab[h as usize].state == Held::Parked) {
             return true;
         }
         self.find_slot(addr).is_some_and(|s| {
@@ -806,10 +872,28 @@ impl Policy for Buddy {
         {
             return Err("arenas by address disagree with the arenas".into());
         }
-        if let Some((&p, _)) =
-            (self.live.iter()).find(|(&p, l)| self.find_slot(p) != Some(l.slot as usize))
+        if let Some(l) = self
+            .filed()
+            .find(|l| self.find_slot(l.addr) != Some(l.slot as usize))
         {
-            return Err(format!("live block {p:#x} filed under the wrong arena"));
+            return Err(format!(
+                "live block {:#x} filed under the wrong arena",
+                l.addr
+            ));
+        }
+        // Every filed block's entry has its address and is in use; the vacant entries are the
+        // others.
+        if let Some((&p, _)) = (self.live.iter()).find(|(&p, &h)| {
+            self.slab
+                .get(h as usize)
+                .is_none_or(|l| l.addr != p || l.state == Held::Vacant)
+        }) {
+            return Err(format!("block {p:#x} filed under a wrong or vacant entry"));
+        }
+        if self.live.len() + self.vacant.len() != self.slab.len()
+            || (self.vacant.iter()).any(|&h| self.slab[h as usize].state != Held::Vacant)
+        {
+            return Err("vacant entries disagree with the filed blocks".into());
         }
         let (mut split, mut split_bytes) = ([0i64; 2], [0i64; 2]);
         for (s, a) in self.arenas.iter().enumerate() {
@@ -843,13 +927,14 @@ impl Policy for Buddy {
         // Parked blocks: one per order at most, each in `live` as parked, of its order, and
         // counted as a free piece of a split arena.
         let mut parked = 0;
-        for (&p, l) in &self.live {
+        for (&p, &h) in &self.live {
+            let l = &self.slab[h as usize];
             if l.state != Held::Parked {
                 continue;
             }
             parked += 1;
             let i = usize::from(l.order) - MIN_ORDER as usize;
-            if self.parked.get(i) != Some(&p)
+            if self.parked.get(i) != Some(&h)
                 || self.parked_slot[i] != l.slot
                 || self.parked_bits >> i & 1 == 0
             {
@@ -1239,7 +1324,8 @@ mod tests {
             );
             let (mut b, mut m) = (Buddy::new(0), Model::new());
             // (address, (arena seq, offset)) of the blocks live, and of those freed but waiting.
-            let mut live: Vec<(u64, (u64, u64))> = Vec::new();
+            // Live ones carry their handle too.
+            let mut live: Vec<(u64, (u64, u64), u32)> = Vec::new();
             let mut waiting: Vec<(u64, (u64, u64))> = Vec::new();
             let mut x = seed;
             for step in 0..20_000 {
@@ -1264,17 +1350,28 @@ mod tests {
                         "step {step}: allocate({size})"
                     );
                     assert_eq!(p.size, 1 << order_of(size));
-                    live.push((p.addr, at));
+                    live.push((p.addr, at, p.handle));
                 } else if r < 940 && !live.is_empty() {
-                    let (addr, at) = live.swap_remove((x >> 24) as usize % live.len());
+                    let (addr, at, h) = live.swap_remove((x >> 24) as usize % live.len());
+                    // A handle frees only the block it was given with.
+                    assert_eq!(b.free_handle(h, addr + 512, &d).unwrap(), None);
+                    assert_eq!(b.free_handle(h ^ 1, addr, &d).unwrap(), None);
+                    assert_eq!(b.free_handle(u32::MAX, addr, &d).unwrap(), None);
                     if x >> 40 & 7 == 0 {
                         assert_eq!(b.free_requested(addr), m.free_requested(at));
                         assert_eq!(b.free_requested(addr), None);
                         assert_eq!(b.free(addr, &d).unwrap(), None);
+                        assert_eq!(b.free_handle(h, addr, &d).unwrap(), None);
                         waiting.push((addr, at));
                     } else {
-                        assert_eq!(b.free(addr, &d).unwrap(), m.free_requested(at));
+                        let freed = if x >> 44 & 1 == 0 {
+                            b.free_handle(h, addr, &d).unwrap()
+                        } else {
+                            b.free(addr, &d).unwrap()
+                        };
+                        assert_eq!(freed, m.free_requested(at));
                         m.release(at);
+                        assert_eq!(b.free_handle(h, addr, &d).unwrap(), None, "freed twice");
                         assert_eq!(b.is_free_block(addr), m.is_free(at));
                     }
                 } else if r < 990 && !waiting.is_empty() {
@@ -1300,8 +1397,8 @@ mod tests {
                     b.check().unwrap();
                 }
             }
-            for (addr, at) in live {
-                assert_eq!(b.free(addr, &d).unwrap(), m.free_requested(at));
+            for (addr, at, h) in live {
+                assert_eq!(b.free_handle(h, addr, &d).unwrap(), m.free_requested(at));
                 m.release(at);
             }
             for (addr, at) in waiting {
