@@ -235,13 +235,16 @@ def _random_sizes_churn(a, seconds=None, ops=None, live=200):
 def test_remapping_over_the_budget_buys_spare_pages():
     # Random sizes keep moving the layout, so the pool keeps pointing virtual pages at other
     # physical pages; on the simulated device each remap costs its modelled driver time (tens
-    # of microseconds), far more than the wall time of an operation, so after three 100 ms
-    # windows the pool raises its spare pages and says so.
-    a = sim("policy:stitched", memory=16 * GIB)
+    # of microseconds). The windows are 100 ms of wall time, so the share of it this churn
+    # spends remapping depends on the machine's speed: near the default budget of 20 % (a
+    # loaded machine ran 10 s without three such windows in a row), well over 1 % on any. Once
+    # three windows in a row are over it, the pool raises its spare pages and says so. (The
+    # rule itself is tested on a driven clock in crates/gpumem-core/tests/stitched_remap_budget.rs.)
+    a = sim("policy:stitched,remap_budget:0.01", memory=16 * GIB)
     _random_sizes_churn(a, seconds=10.0)
     notes = a.policy_notes()
     assert len(notes) == 1 and notes[0].startswith("stitched: spare pages raised to "), notes
-    assert "over the remap_budget of 20 %" in notes[0], notes
+    assert "over the remap_budget of 1 %" in notes[0], notes
     assert a.memory_summary().rstrip().endswith(notes[0]), "the summary ends with the note"
 
     off = sim("policy:stitched,remap_budget:off", memory=16 * GIB)
