@@ -27,7 +27,7 @@
 //!   `trailing_zeros`.
 //!
 //! Merging is lazy by one block per order. A block freed while its order has no parked block
-//! is parked: kept whole, unmerged, still filed in `live`. The next request of its order takes
+//! is parked: kept whole, unmerged, still filed as a block. The next request of its order takes
 //! it back, unless the free blocks hold one of an older arena (then it is merged and placement
 //! goes on as usual). Every parked block is merged before placement would need a new arena and
 //! before the cache is released. A free then an allocation of the same size (a training step,
@@ -348,7 +348,7 @@ impl ByOrder {
     }
 }
 
-/// Where a block of `Buddy::live` is in its life.
+/// Where a block of `Buddy::slab` is in its life.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Held {
     /// Handed out.
@@ -452,9 +452,9 @@ impl Buddy {
         Ok(slot)
     }
 
-    /// The block at `addr`, if it is `from` (handed out, or freed and waiting), stops being
+    /// The block of handle `h`, if it is `from` (handed out, or freed and waiting), stops being
     /// active: it is parked if its order has no parked block, and otherwise merged into the
-    /// free blocks at once. Returns its size, or `None` if no block at `addr` is `from`.
+    /// free blocks at once. Returns its size, or `None` if that block is not `from`.
     #[inline]
     fn retire(&mut self, h: u32, from: Held) -> Option<u64> {
         let l = &mut self.slab[h as usize];
@@ -517,7 +517,7 @@ impl Buddy {
         self.live.get(&addr).copied()
     }
 
-    /// The blocks filed, with their handles.
+    /// The blocks filed (handed out, waiting or parked).
     fn filed(&self) -> impl Iterator<Item = &Live> {
         self.live.values().map(|&h| &self.slab[h as usize])
     }
@@ -808,6 +808,7 @@ impl Policy for Buddy {
                         kind: match l.state {
                             Held::Allocated => BlockKind::Allocated,
                             Held::Pending => BlockKind::Pending,
+                            // (`filed` yields no vacant entry.)
                             Held::Parked | Held::Vacant => BlockKind::Free,
                         },
                     })
