@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The API documentation builds with every intra-doc link resolved.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 cargo test --workspace
 # Tests that need a tool the Rust build does not (ignored above, with the reason).
 if command -v g++ >/dev/null; then

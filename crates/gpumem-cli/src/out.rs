@@ -23,7 +23,7 @@ pub fn print(text: &str) {
     }
 }
 
-/// [`print`] with a newline.
+/// [`print`](fn@print) with a newline.
 pub fn println(line: &str) {
     print(&format!("{line}\n"));
 }
@@ -33,7 +33,7 @@ pub fn eprint(text: &str) {
     let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
 
-/// [`eprint`] with a newline.
+/// [`eprint`](fn@eprint) with a newline.
 pub fn eprintln(line: &str) {
     eprint(&format!("{line}\n"));
 }
@@ -52,22 +52,22 @@ pub fn check_writable(path: &Path, flag: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `print!` through [`print`].
+/// `print!` through [`print`](fn@print).
 macro_rules! out_print {
     ($($arg:tt)*) => { $crate::out::print(&format!($($arg)*)) };
 }
 
-/// `println!` through [`println`].
+/// `println!` through [`println`](fn@println).
 macro_rules! out_println {
     ($($arg:tt)*) => { $crate::out::println(&format!($($arg)*)) };
 }
 
-/// `eprint!` through [`eprint`].
+/// `eprint!` through [`eprint`](fn@eprint).
 macro_rules! err_print {
     ($($arg:tt)*) => { $crate::out::eprint(&format!($($arg)*)) };
 }
 
-/// `eprintln!` through [`eprintln`].
+/// `eprintln!` through [`eprintln`](fn@eprintln).
 macro_rules! err_println {
     ($($arg:tt)*) => { $crate::out::eprintln(&format!($($arg)*)) };
 }

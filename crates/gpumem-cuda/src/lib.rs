@@ -20,7 +20,7 @@
 //!   events), on its primary context, made current on whichever thread calls.
 //! - [`CudaAllocator`], [`CudaDevices`], [`DeviceBuffer`]: the Rust API.
 //! - [`replay`]: `gpumem replay TRACE --device cuda`.
-//! - [`bench`]: `gpumem bench alloc`.
+//! - [`bench`](mod@bench): `gpumem bench alloc`.
 
 pub mod allocator;
 pub mod backend;

@@ -6,7 +6,7 @@
 //! - [`detect`]: the growth detector (per-process baseline, robust slope, evenness test).
 //! - [`render`]: the table and the JSON lines.
 //! - [`prom`]: the Prometheus text endpoint.
-//! - [`run`]: the loop that ties them together and stops cleanly when asked.
+//! - [`run`](mod@run): the loop that ties them together and stops cleanly when asked.
 
 pub mod detect;
 pub mod fake;

@@ -17,7 +17,7 @@
 //!   live block remembers its slot: a free needs no address search. `release_cached` compacts
 //!   the `Vec` (keeping the order) and renumbers the live blocks.
 //! - Each arena keeps, per order, a bitmap of its free blocks (bit `offset >> order`) under
-//!   summary levels of one bit per non-zero word below ([`Bits`]): the lowest free block is one
+//!   summary levels of one bit per non-zero word below (`Bits`): the lowest free block is one
 //!   `trailing_zeros` per level (at most 3 in a 64 MiB arena), a buddy test is one bit, and
 //!   splitting or merging sets or clears one bit per order. An order's bitmap is allocated the
 //!   first time the arena holds a free block of that order; all of them together take about

@@ -152,7 +152,7 @@ struct BudgetWindow {
     count: u64,
 }
 
-/// A window closed by [`BudgetWindow::add`].
+/// A window closed by `BudgetWindow::add`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ClosedWindow {
     /// Device clock at its end, microseconds (trace time in a replay).
