@@ -525,16 +525,11 @@ impl Buddy {
     /// Hands the block parked under handle `h` (of order `order`) out again for `size` bytes.
     #[inline]
     fn unpark(&mut self, h: u32, order: u32, size: u64) -> Placement {
-        let i = (order - MIN_ORDER) as usize;
-        self.parked[i] = NOT_PARKED;
-        self.parked_bits &= !(1 << i);
+        self.leave_parking((order - MIN_ORDER) as usize);
         let l = &mut self.slab[h as usize];
         debug_assert_eq!((l.state, u32::from(l.order)), (Held::Parked, order));
         l.state = Held::Allocated;
         l.requested = size;
-        let pool = self.arenas[l.slot as usize].pool;
-        self.stats.inactive_split.dec(pool, 1);
-        self.stats.inactive_split_bytes.dec(pool, 1 << order);
         self.stats.block_handed_out(l.pool, 1 << order, size);
         Placement {
             addr: l.addr,
@@ -545,16 +540,25 @@ impl Buddy {
 
     /// Merges the block parked for order `i + MIN_ORDER` into the free blocks.
     fn unpark_to_free(&mut self, i: usize) {
-        let h = self.parked[i];
-        self.parked[i] = NOT_PARKED;
-        self.parked_bits &= !(1 << i);
+        let h = self.leave_parking(i);
         let l = &self.slab[h as usize];
         let (addr, order, slot) = (l.addr, u32::from(l.order), l.slot as usize);
         self.forget(h);
-        let pool = self.arenas[slot].pool;
-        self.stats.inactive_split.dec(pool, 1);
-        self.stats.inactive_split_bytes.dec(pool, 1 << order);
         self.merge_free(addr, slot, order);
+    }
+
+    /// Empties the parking place of order `i + MIN_ORDER` and stops counting its block as a
+    /// free piece of a split arena (what parking it counted); returns the block's handle.
+    #[inline]
+    fn leave_parking(&mut self, i: usize) -> u32 {
+        let h = self.parked[i];
+        self.parked[i] = NOT_PARKED;
+        self.parked_bits &= !(1 << i);
+        let pool = self.arenas[self.parked_slot[i] as usize].pool;
+        let bytes = 1u64 << (i as u32 + MIN_ORDER);
+        self.stats.inactive_split.dec(pool, 1);
+        self.stats.inactive_split_bytes.dec(pool, bytes);
+        h
     }
 
     /// Merges every parked block into the free blocks, smallest order first.
@@ -991,6 +995,11 @@ mod tests {
     use crate::backend::CostModel;
     use std::collections::{BTreeSet, HashMap};
 
+    /// A simulated device whose calls cost nothing.
+    fn sim_device(cfg: SimConfig) -> Device {
+        Device::new(Box::new(SimBackend::new(cfg).0), CostModel::zero())
+    }
+
     #[test]
     fn orders_round_to_powers_of_two() {
         assert_eq!(order_of(1), 9);
@@ -1002,10 +1011,7 @@ mod tests {
 
     #[test]
     fn split_and_merge_back_to_one_arena() {
-        let d = Device::new(
-            Box::new(SimBackend::new(SimConfig::default()).0),
-            CostModel::zero(),
-        );
+        let d = sim_device(SimConfig::default());
         let mut b = Buddy::new(0);
         let x = b.allocate(1000, &d).unwrap();
         let y = b.allocate(3000, &d).unwrap();
@@ -1059,10 +1065,7 @@ mod tests {
     /// A request that finds no free block merges the parked ones before asking for an arena.
     #[test]
     fn parked_blocks_merge_before_a_new_arena() {
-        let d = Device::new(
-            Box::new(SimBackend::new(SimConfig::default()).0),
-            CostModel::zero(),
-        );
+        let d = sim_device(SimConfig::default());
         let mut b = Buddy::new(0);
         let half = 1u64 << (ARENA_ORDER - 1);
         let (lo, hi) = (b.allocate(half, &d).unwrap(), b.allocate(half, &d).unwrap());
@@ -1091,7 +1094,7 @@ mod tests {
                     .map(|i| (1u64 << ARENA_ORDER, top - i * (1u64 << ARENA_ORDER)))
                     .collect();
             }
-            let d = Device::new(Box::new(SimBackend::new(cfg).0), CostModel::zero());
+            let d = sim_device(cfg);
             let mut b = Buddy::new(0);
             let mut live: Vec<u64> = Vec::new();
             let mut offsets = Vec::new();
@@ -1319,10 +1322,7 @@ mod tests {
         let (mut compacted, mut huge) = (0, 0);
         let (mut reused, mut older, mut flushed) = (0, 0, 0);
         for seed in [1u64, 2, 3, 0x9e37_79b9_7f4a_7c15] {
-            let d = Device::new(
-                Box::new(SimBackend::new(SimConfig::default()).0),
-                CostModel::zero(),
-            );
+            let d = sim_device(SimConfig::default());
             let (mut b, mut m) = (Buddy::new(0), Model::new());
             // (address, (arena seq, offset)) of the blocks live, and of those freed but waiting.
             // Live ones carry their handle too.
