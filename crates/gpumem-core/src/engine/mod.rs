@@ -149,7 +149,20 @@ impl Allocator {
         &self.config
     }
 
+    /// The shard of `stream`, made on its first use.
+    #[inline]
     fn shard(&self, stream: Stream) -> Result<(u32, &Shard), AllocError> {
+        match self.shards.get(stream) {
+            Some((i, s)) => Ok((i as u32, s)),
+            None => self.new_shard(stream),
+        }
+    }
+
+    /// The shard of `stream` when it was not found: made, unless the table is full (or
+    /// another thread made it meanwhile).
+    #[cold]
+    #[inline(never)]
+    fn new_shard(&self, stream: Stream) -> Result<(u32, &Shard), AllocError> {
         self.shards
             .get_or_insert(stream, || Shard {
                 stream,
@@ -536,7 +549,7 @@ impl Allocator {
         let mut m = MemoryStats::default();
         for (_, sh) in self.shards.iter() {
             let st = sh.state.lock();
-            m.merge_blocks(st.policy.stats());
+            m.merge_blocks(&st.policy.stats());
             m.num_alloc_retries += st.retries;
             m.num_ooms += st.ooms;
             m.num_sync_all_streams += st.syncs;

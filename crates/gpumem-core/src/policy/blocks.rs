@@ -6,7 +6,7 @@
 
 use super::free_index::FreeIndex;
 use super::{BlockInfo, BlockKind, SegmentInfo};
-use crate::stats::{MemoryStats, Pool};
+use crate::stats::{BlockStats, Pool};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
@@ -86,7 +86,7 @@ pub struct BlockSet {
     segments: Vec<Segment>,
     spare_segments: Vec<u32>,
     /// Block statistics (allocation, active, inactive_split, *_bytes, requested_bytes).
-    pub stats: MemoryStats,
+    pub stats: BlockStats,
     track_split: bool,
     quick: Quick,
 }
@@ -135,7 +135,7 @@ impl BlockSet {
             live: FxHashMap::default(),
             segments: Vec::new(),
             spare_segments: Vec::new(),
-            stats: MemoryStats::default(),
+            stats: BlockStats::default(),
             track_split,
             quick: Quick {
                 heads: Vec::new(),

@@ -41,7 +41,7 @@ use super::{BlockInfo, BlockKind, Placement, Policy, SegmentInfo};
 use crate::backend::{DevPtr, Stream};
 use crate::device::Device;
 use crate::error::BackendError;
-use crate::stats::{MemoryStats, Pool};
+use crate::stats::{BlockStats, MemoryStats, Pool};
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
@@ -400,7 +400,7 @@ pub struct Buddy {
     /// Bit `k - MIN_ORDER`: order `k` has a parked block.
     parked_bits: u32,
     next_seq: u64,
-    stats: MemoryStats,
+    stats: BlockStats,
 }
 
 fn order_of(size: u64) -> u32 {
@@ -422,7 +422,7 @@ impl Buddy {
             parked_slot: [0; PARK_ORDERS],
             parked_bits: 0,
             next_seq: 0,
-            stats: MemoryStats::default(),
+            stats: BlockStats::default(),
         }
     }
 
@@ -617,8 +617,9 @@ impl Policy for Buddy {
             let h = self.parked[i];
             // Placement takes older arenas first; the parked block is handed back unless the
             // free blocks offer one of an older arena (then it is merged, and placed as usual).
+            // (No arena is older than the first: then nothing to look up.)
             let fit = self.index.orders >> order;
-            let older = fit != 0 && {
+            let older = self.parked_slot[i] != 0 && fit != 0 && {
                 let k = order + fit.trailing_zeros();
                 let slot = self.index.slots[k as usize].first();
                 slot.expect("an arena is filed under each order in use")
@@ -778,8 +779,8 @@ impl Policy for Buddy {
         result.map(|()| freed)
     }
 
-    fn stats(&self) -> &MemoryStats {
-        &self.stats
+    fn stats(&self) -> MemoryStats {
+        self.stats.to_memory_stats()
     }
 
     fn reset_peaks(&mut self) {
@@ -964,7 +965,7 @@ impl Policy for Buddy {
                 return Err(format!("order {k} misfiled in the orders in use"));
             }
         }
-        let st = &self.stats;
+        let st = self.stats.to_memory_stats();
         for (pool, stat, bytes) in [
             (
                 Pool::Small,
@@ -1386,7 +1387,7 @@ mod tests {
                     assert_eq!(freed, m.release_cached(), "step {step}: release_cached");
                     compacted += usize::from(b.arenas.len() < before && !live.is_empty());
                 }
-                assert_eq!(b.stats(), &m.stats, "step {step}");
+                assert_eq!(b.stats(), m.stats, "step {step}");
                 assert_eq!(b.largest_free(), m.largest_free(), "step {step}");
                 // Any 512 B boundary of any arena: a free block starts there in both or neither.
                 if !b.arenas.is_empty() {
@@ -1408,7 +1409,7 @@ mod tests {
             }
             b.check().unwrap();
             assert_eq!(b.release_cached(&d).unwrap(), m.release_cached());
-            assert_eq!(b.stats(), &m.stats);
+            assert_eq!(b.stats(), m.stats);
             assert!(b.arenas.is_empty() && b.segments().is_empty());
             assert_eq!(d.lock().held(), 0);
             (reused, older, flushed) = (reused + m.reused, older + m.older, flushed + m.flushed);

@@ -34,8 +34,8 @@ macro_rules! block_set_queries {
             Some(self.set.block(id).size)
         }
 
-        fn stats(&self) -> &MemoryStats {
-            &self.set.stats
+        fn stats(&self) -> MemoryStats {
+            self.set.stats.to_memory_stats()
         }
 
         fn reset_peaks(&mut self) {
@@ -174,8 +174,9 @@ pub trait Policy: Send {
     /// returned.
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError>;
 
-    /// Block statistics (allocation, active, inactive_split and their bytes, requested_bytes).
-    fn stats(&self) -> &MemoryStats;
+    /// Block statistics (allocation, active, inactive_split and their bytes, requested_bytes),
+    /// read from the policy's [`crate::stats::BlockStats`].
+    fn stats(&self) -> MemoryStats;
 
     /// Resets the peaks of the block statistics.
     fn reset_peaks(&mut self);
