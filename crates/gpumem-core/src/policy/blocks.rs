@@ -225,6 +225,25 @@ impl BlockSet {
         }
     }
 
+    /// Puts free block `id` in the free index (what [`BlockSet::index`] does for a free block,
+    /// without looking at its state).
+    #[inline]
+    fn index_free(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        debug_assert_eq!(b.state, State::Free);
+        let h = heap(self.segments[b.seg as usize].pool);
+        self.free[h].insert(id, b.size, b.addr);
+    }
+
+    /// Takes free block `id` out of the free index.
+    #[inline]
+    fn unindex_free(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        debug_assert_eq!(b.state, State::Free);
+        let h = heap(self.segments[b.seg as usize].pool);
+        self.free[h].remove(id, b.size, b.addr);
+    }
+
     /// Adds a segment made of one block in `state` (Free or Unmapped); returns the block.
     pub fn add_segment(&mut self, addr: u64, size: u64, pool: Pool, state: State) -> u32 {
         let seg = match self.spare_segments.pop() {
@@ -354,8 +373,7 @@ impl BlockSet {
     /// `split`, the remainder stays free as a new block after the allocated one. Returns the
     /// allocated block (same id, same address).
     pub fn allocate(&mut self, id: u32, size: u64, requested: u64, pool: Pool, split: bool) -> u32 {
-        debug_assert_eq!(self.block(id).state, State::Free);
-        self.unindex(id);
+        self.unindex_free(id);
         let already_split = self.block(id).is_split();
         let track = self.track_split;
         let seg_pool = self.segments[self.block(id).seg as usize].pool;
@@ -379,7 +397,7 @@ impl BlockSet {
             let bm = self.b(id);
             bm.next = rest;
             bm.size = size;
-            self.index(rest);
+            self.index_free(rest);
             let rest_size = self.block(rest).size;
             if track {
                 if already_split {
@@ -399,8 +417,8 @@ impl BlockSet {
         b.state = State::Allocated;
         b.requested = requested;
         b.pool = pool;
-        let size = b.size;
-        self.index(id);
+        let (size, addr) = (b.size, b.addr);
+        self.live.insert(addr, id);
         self.stats.block_handed_out(pool, size, requested);
         id
     }
@@ -463,7 +481,11 @@ impl BlockSet {
     /// the inactive-split statistics updated. Returns it.
     fn settle(&mut self, id: u32) -> u32 {
         let was_cached = self.block(id).state == State::Cached;
-        self.unindex(id);
+        debug_assert!(matches!(
+            self.block(id).state,
+            State::Cached | State::Pending
+        ));
+        self.live.remove(&self.blocks[id as usize].addr);
         let seg_pool = self.segments[self.block(id).seg as usize].pool;
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
@@ -485,7 +507,7 @@ impl BlockSet {
                 net_bytes -= sub as i64;
             }
         }
-        self.index(id);
+        self.index_free(id);
         if self.block(id).is_split() {
             net_blocks += 1;
             net_bytes += self.block(id).size as i64;
@@ -626,29 +648,36 @@ impl BlockSet {
         if src == NIL {
             return 0;
         }
-        let s = self.block(src).clone();
-        if s.state != self.block(dst).state || !matches!(s.state, State::Free | State::Unmapped) {
+        let (state, addr, size, prev, next, seg) = {
+            let s = self.block(src);
+            (s.state, s.addr, s.size, s.prev, s.next, s.seg)
+        };
+        if state != self.block(dst).state {
             return 0;
         }
-        self.unindex(src);
+        match state {
+            State::Free => self.unindex_free(src),
+            State::Unmapped => self.unindex(src),
+            _ => return 0,
+        }
         if self.block(dst).prev == src {
             let d = self.b(dst);
-            d.addr = s.addr;
-            d.prev = s.prev;
-            if s.prev != NIL {
-                self.b(s.prev).next = dst;
+            d.addr = addr;
+            d.prev = prev;
+            if prev != NIL {
+                self.b(prev).next = dst;
             } else {
-                self.segments[s.seg as usize].head = dst;
+                self.segments[seg as usize].head = dst;
             }
         } else {
-            self.b(dst).next = s.next;
-            if s.next != NIL {
-                self.b(s.next).prev = dst;
+            self.b(dst).next = next;
+            if next != NIL {
+                self.b(next).prev = dst;
             }
         }
-        self.b(dst).size += s.size;
+        self.b(dst).size += size;
         self.drop_block(src);
-        s.size
+        size
     }
 
     /// Splits `id` (free or unmapped, out of the indexes) at `at` bytes from its start; the
