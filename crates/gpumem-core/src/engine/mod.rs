@@ -54,6 +54,7 @@ struct ShardState {
 /// The shard lock is held across driver calls on slow paths; a second thread on the same
 /// stream then yields until it is free.
 type ShardLock<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;
+type ShardGuard<'a> = spin::mutex::SpinMutexGuard<'a, ShardState, spin::relax::Yield>;
 
 /// One stream's pool. Aligned to two cache lines so that threads working on neighbouring
 /// streams of the table never write to the same line.
@@ -407,6 +408,28 @@ impl Allocator {
         handle: Option<u32>,
     ) -> Result<bool, AllocError> {
         let mut st = shard.state.lock();
+        if st.uses.is_empty() && self.tracker.is_none() {
+            // The common case: no block of the stream was used on another one and no history
+            // is kept, so the block is reusable at once and the policy's free checks it.
+            let known = match handle {
+                Some(h) => st.policy.free_handle(h, ptr, &self.device)?,
+                None => st.policy.free(ptr, &self.device)?,
+            };
+            return Ok(known.is_some());
+        }
+        self.try_free_tracked(shard, st, ptr, handle)
+    }
+
+    /// [`Allocator::try_free_in`] when the stream has blocks used on other streams, or a
+    /// history is kept: events first, then the free, recorded.
+    #[inline(never)]
+    fn try_free_tracked(
+        &self,
+        shard: &Shard,
+        mut st: ShardGuard<'_>,
+        ptr: DevPtr,
+        handle: Option<u32>,
+    ) -> Result<bool, AllocError> {
         let uses = if st.uses.is_empty() {
             None
         } else {

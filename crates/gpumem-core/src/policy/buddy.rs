@@ -455,7 +455,7 @@ impl Buddy {
     /// The block of handle `h`, if it is `from` (handed out, or freed and waiting), stops being
     /// active: it is parked if its order has no parked block, and otherwise merged into the
     /// free blocks at once. Returns its size, or `None` if that block is not `from`.
-    #[inline]
+    #[inline(always)]
     fn retire(&mut self, h: u32, from: Held) -> Option<u64> {
         let l = &mut self.slab[h as usize];
         if l.state != from {
