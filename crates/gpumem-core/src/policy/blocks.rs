@@ -107,14 +107,6 @@ struct Quick {
     cap: usize,
 }
 
-#[inline]
-fn heap(pool: Pool) -> usize {
-    match pool {
-        Pool::Small => 0,
-        Pool::Large => 1,
-    }
-}
-
 impl BlockSet {
     /// An empty set. `track_split` enables the inactive_split statistics (PyTorch keeps them
     /// for plain segments, not for virtual-memory ones); `exact` selects the exact
@@ -194,7 +186,7 @@ impl BlockSet {
     /// Puts a block in the index its state calls for.
     fn index(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
-        let h = heap(self.segments[b.seg as usize].pool);
+        let h = self.segments[b.seg as usize].pool.index();
         match b.state {
             State::Free => {
                 self.free[h].insert(id, b.size, b.addr);
@@ -211,7 +203,7 @@ impl BlockSet {
     /// Takes a block out of its index.
     fn unindex(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
-        let h = heap(self.segments[b.seg as usize].pool);
+        let h = self.segments[b.seg as usize].pool.index();
         match b.state {
             State::Free => {
                 self.free[h].remove(id, b.size, b.addr);
@@ -231,7 +223,7 @@ impl BlockSet {
     fn index_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         debug_assert_eq!(b.state, State::Free);
-        let h = heap(self.segments[b.seg as usize].pool);
+        let h = self.segments[b.seg as usize].pool.index();
         self.free[h].insert(id, b.size, b.addr);
     }
 
@@ -240,7 +232,7 @@ impl BlockSet {
     fn unindex_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         debug_assert_eq!(b.state, State::Free);
-        let h = heap(self.segments[b.seg as usize].pool);
+        let h = self.segments[b.seg as usize].pool.index();
         self.free[h].remove(id, b.size, b.addr);
     }
 
@@ -298,12 +290,12 @@ impl BlockSet {
     /// The smallest free block of `pool` with at least `size` bytes (lowest address on ties).
     #[inline]
     pub fn best_fit(&self, pool: Pool, size: u64) -> Option<u32> {
-        self.free[heap(pool)].best_fit(size)
+        self.free[pool.index()].best_fit(size)
     }
 
     /// Free blocks of `pool` with at least `size` bytes, smallest first.
     pub fn fits(&self, pool: Pool, size: u64) -> impl Iterator<Item = u32> + '_ {
-        self.free[heap(pool)]
+        self.free[pool.index()]
             .fits(size)
             .into_iter()
             .map(|(_, _, id)| id)
@@ -311,12 +303,15 @@ impl BlockSet {
 
     /// Unmapped blocks of `pool`, by address.
     pub fn unmapped(&self, pool: Pool) -> impl Iterator<Item = u32> + '_ {
-        self.unmapped[heap(pool)].values().copied()
+        self.unmapped[pool.index()].values().copied()
     }
 
     /// Free blocks of `pool`, smallest first.
     pub fn free_blocks(&self, pool: Pool) -> impl Iterator<Item = u32> + '_ {
-        self.free[heap(pool)].all().into_iter().map(|(_, _, id)| id)
+        self.free[pool.index()]
+            .all()
+            .into_iter()
+            .map(|(_, _, id)| id)
     }
 
     /// Size of the largest free block of either pool.
@@ -808,9 +803,9 @@ impl BlockSet {
                 let indexed = match b.state {
                     State::Free => {
                         free_seen += 1;
-                        self.free[heap(s.pool)].contains(id, b.size, b.addr)
+                        self.free[s.pool.index()].contains(id, b.size, b.addr)
                     }
-                    State::Unmapped => self.unmapped[heap(s.pool)].get(&b.addr) == Some(&id),
+                    State::Unmapped => self.unmapped[s.pool.index()].get(&b.addr) == Some(&id),
                     State::Cached => {
                         cached_seen += 1;
                         self.quick.order.contains(&id) && self.live.get(&b.addr) == Some(&id)
