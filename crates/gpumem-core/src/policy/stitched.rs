@@ -395,8 +395,7 @@ impl PagePool {
             let mut l = mine.local.lock();
             for &v in vpages {
                 let slot = l.map[v as usize];
-                if slot != NONE && l.idle.contains(slot) {
-                    l.idle.remove(slot);
+                if slot != NONE && l.idle.remove(slot) {
                     fast.push(slot);
                 } else {
                     need.push(v);
@@ -477,8 +476,7 @@ impl PagePool {
             if slot != NONE {
                 let owner = p.phys[slot as usize].as_ref().expect("mapped slot").owner;
                 let shared = owner == me || !own_peaks || p.held >= budget;
-                if shared && all.guards[owner as usize].idle.contains(slot) {
-                    all.guards[owner as usize].idle.remove(slot);
+                if shared && all.guards[owner as usize].idle.remove(slot) {
                     taken.push((slot, owner));
                     picked.push((v, slot));
                     continue;
@@ -842,7 +840,9 @@ impl PagePool {
             }
             None => {
                 p.phys.push(Some(ph));
-                (p.phys.len() - 1) as u32
+                let slot = (p.phys.len() - 1) as u32;
+                assert!(slot < OUT, "physical page slots exhausted");
+                slot
             }
         }
     }
@@ -1009,24 +1009,29 @@ impl PagePool {
 
 /// Idle physical pages, least recently idled first: a doubly linked list through the slots,
 /// so that taking any page out of it (when its own virtual page touches it again) is O(1).
+/// A slot's links say whether it is in the list, so a membership test and a removal read the
+/// same entry.
 #[derive(Default)]
 struct FreeList {
     head: u32,
     tail: u32,
+    /// Slot -> (previous, next), NONE at the ends; `OUT` as the previous: not in the list.
     links: Vec<(u32, u32)>,
-    member: Vec<bool>,
     len: usize,
 }
 
+/// The `previous` link of a slot that is not in the list.
+const OUT: u32 = NONE - 1;
+
 impl FreeList {
+    #[inline]
     fn grow(&mut self, slot: u32) {
-        if self.links.is_empty() {
-            self.head = NONE;
-            self.tail = NONE;
-        }
         if self.links.len() <= slot as usize {
-            self.links.resize(slot as usize + 1, (NONE, NONE));
-            self.member.resize(slot as usize + 1, false);
+            if self.links.is_empty() {
+                self.head = NONE;
+                self.tail = NONE;
+            }
+            self.links.resize(slot as usize + 1, (OUT, NONE));
         }
     }
 
@@ -1034,17 +1039,19 @@ impl FreeList {
         self.len
     }
 
+    #[inline]
     fn contains(&self, slot: u32) -> bool {
-        self.member.get(slot as usize).copied().unwrap_or(false)
+        self.links.get(slot as usize).is_some_and(|l| l.0 != OUT)
     }
 
     fn front(&self) -> Option<u32> {
         (self.len > 0).then_some(self.head)
     }
 
+    #[inline]
     fn push_back(&mut self, slot: u32) {
         self.grow(slot);
-        debug_assert!(!self.member[slot as usize]);
+        debug_assert!(!self.contains(slot));
         self.links[slot as usize] = (self.tail, NONE);
         if self.tail != NONE {
             self.links[self.tail as usize].1 = slot;
@@ -1052,13 +1059,12 @@ impl FreeList {
             self.head = slot;
         }
         self.tail = slot;
-        self.member[slot as usize] = true;
         self.len += 1;
     }
 
     fn push_front(&mut self, slot: u32) {
         self.grow(slot);
-        debug_assert!(!self.member[slot as usize]);
+        debug_assert!(!self.contains(slot));
         self.links[slot as usize] = (NONE, self.head);
         if self.head != NONE {
             self.links[self.head as usize].0 = slot;
@@ -1066,15 +1072,18 @@ impl FreeList {
             self.tail = slot;
         }
         self.head = slot;
-        self.member[slot as usize] = true;
         self.len += 1;
     }
 
-    fn remove(&mut self, slot: u32) {
-        if !self.member.get(slot as usize).copied().unwrap_or(false) {
-            return;
+    /// Takes `slot` out of the list; returns whether it was in it.
+    #[inline]
+    fn remove(&mut self, slot: u32) -> bool {
+        let Some(&(prev, next)) = self.links.get(slot as usize) else {
+            return false;
+        };
+        if prev == OUT {
+            return false;
         }
-        let (prev, next) = self.links[slot as usize];
         if prev != NONE {
             self.links[prev as usize].1 = next;
         } else {
@@ -1085,8 +1094,9 @@ impl FreeList {
         } else {
             self.tail = prev;
         }
-        self.member[slot as usize] = false;
+        self.links[slot as usize] = (OUT, NONE);
         self.len -= 1;
+        true
     }
 
     fn iter(&self) -> impl Iterator<Item = u32> + '_ {
