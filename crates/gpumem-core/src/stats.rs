@@ -178,31 +178,40 @@ pub struct MemoryStats {
     pub num_device_free: i64,
 }
 
+/// What a block's life changes in the block statistics, written once for both of their forms
+/// ([`MemoryStats`] with [`StatArray`]s, [`BlockStats`] with [`Tally`]s): the fields have the
+/// same names and both kinds of statistic have `inc` and `dec`.
+macro_rules! block_events {
+    () => {
+        /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
+        #[inline]
+        pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
+            self.allocation.inc(pool, 1);
+            self.allocated_bytes.inc(pool, bytes);
+            self.active.inc(pool, 1);
+            self.active_bytes.inc(pool, bytes);
+            self.requested_bytes.inc(pool, requested);
+        }
+
+        /// The user freed it: no longer allocated, still active until its stream uses are done.
+        #[inline]
+        pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
+            self.allocation.dec(pool, 1);
+            self.allocated_bytes.dec(pool, bytes);
+        }
+
+        /// It is reusable: no longer active either.
+        #[inline]
+        pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
+            self.active.dec(pool, 1);
+            self.active_bytes.dec(pool, bytes);
+            self.requested_bytes.dec(pool, requested);
+        }
+    };
+}
+
 impl MemoryStats {
-    /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
-    #[inline]
-    pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
-        self.allocation.inc(pool, 1);
-        self.allocated_bytes.inc(pool, bytes);
-        self.active.inc(pool, 1);
-        self.active_bytes.inc(pool, bytes);
-        self.requested_bytes.inc(pool, requested);
-    }
-
-    /// The user freed it: no longer allocated, still active until its stream uses are done.
-    #[inline]
-    pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
-        self.allocation.dec(pool, 1);
-        self.allocated_bytes.dec(pool, bytes);
-    }
-
-    /// It is reusable: no longer active either.
-    #[inline]
-    pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
-        self.active.dec(pool, 1);
-        self.active_bytes.dec(pool, bytes);
-        self.requested_bytes.dec(pool, requested);
-    }
+    block_events!();
 
     /// Adds the block statistics of `other` (another stream's shard) into `self`. Current
     /// values, totals and counters add exactly; peaks add too, which makes the combined peak
@@ -413,30 +422,7 @@ pub struct BlockStats {
 }
 
 impl BlockStats {
-    /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
-    #[inline]
-    pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
-        self.allocation.inc(pool, 1);
-        self.allocated_bytes.inc(pool, bytes);
-        self.active.inc(pool, 1);
-        self.active_bytes.inc(pool, bytes);
-        self.requested_bytes.inc(pool, requested);
-    }
-
-    /// The user freed it: no longer allocated, still active until its stream uses are done.
-    #[inline]
-    pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
-        self.allocation.dec(pool, 1);
-        self.allocated_bytes.dec(pool, bytes);
-    }
-
-    /// It is reusable: no longer active either.
-    #[inline]
-    pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
-        self.active.dec(pool, 1);
-        self.active_bytes.dec(pool, bytes);
-        self.requested_bytes.dec(pool, requested);
-    }
+    block_events!();
 
     /// Sets every peak to the current value.
     pub fn reset_peaks(&mut self) {

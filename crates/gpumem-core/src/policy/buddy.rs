@@ -461,7 +461,7 @@ impl Buddy {
         if l.state != from {
             return None;
         }
-        let (addr, order, slot) = (l.addr, u32::from(l.order), l.slot as usize);
+        let (order, slot) = (u32::from(l.order), l.slot as usize);
         if from == Held::Allocated {
             self.stats.block_freed(l.pool, 1 << order);
         }
@@ -479,9 +479,16 @@ impl Buddy {
             self.stats.inactive_split_bytes.inc(pool, 1 << order);
             return Some(1 << order);
         }
+        self.merge_back(h);
+        Some(1 << order)
+    }
+
+    /// Merges the filed block of handle `h` into the free blocks and drops its entry.
+    fn merge_back(&mut self, h: u32) {
+        let l = &self.slab[h as usize];
+        let (addr, order, slot) = (l.addr, u32::from(l.order), l.slot as usize);
         self.forget(h);
         self.merge_free(addr, slot, order);
-        Some(1 << order)
     }
 
     /// Files a new block as handed out; returns its handle.
@@ -541,10 +548,7 @@ impl Buddy {
     /// Merges the block parked for order `i + MIN_ORDER` into the free blocks.
     fn unpark_to_free(&mut self, i: usize) {
         let h = self.leave_parking(i);
-        let l = &self.slab[h as usize];
-        let (addr, order, slot) = (l.addr, u32::from(l.order), l.slot as usize);
-        self.forget(h);
-        self.merge_free(addr, slot, order);
+        self.merge_back(h);
     }
 
     /// Empties the parking place of order `i + MIN_ORDER` and stops counting its block as a
@@ -924,8 +928,8 @@ impl Policy for Buddy {
                                 a.base + (((i ^ 1) as u64) << k)
                             ));
                         }
-                        split[a.pool as usize] += 1;
-                        split_bytes[a.pool as usize] += 1 << k;
+                        split[a.pool.index()] += 1;
+                        split_bytes[a.pool.index()] += 1 << k;
                     }
                 }
             }
@@ -947,8 +951,8 @@ impl Policy for Buddy {
                 return Err(format!("parked block {p:#x} not filed under its order"));
             }
             let pool = self.arenas[l.slot as usize].pool;
-            split[pool as usize] += 1;
-            split_bytes[pool as usize] += 1 << l.order;
+            split[pool.index()] += 1;
+            split_bytes[pool.index()] += 1 << l.order;
         }
         let filed = |i: usize| self.parked[i] != NOT_PARKED;
         if parked != self.parked_bits.count_ones()
@@ -978,7 +982,7 @@ impl Policy for Buddy {
                 st.inactive_split_bytes.large_pool,
             ),
         ] {
-            if (stat.current, bytes.current) != (split[pool as usize], split_bytes[pool as usize]) {
+            if (stat.current, bytes.current) != (split[pool.index()], split_bytes[pool.index()]) {
                 return Err(format!(
                     "inactive_split of {} disagrees with the free blocks",
                     pool.name()
