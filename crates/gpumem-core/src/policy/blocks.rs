@@ -639,6 +639,7 @@ impl BlockSet {
 
     /// Merges neighbour `src` into `dst` when both have the same free-or-unmapped state.
     /// Returns the bytes subsumed (0 if no merge). `dst` must be out of the indexes.
+    #[inline]
     pub fn merge(&mut self, dst: u32, src: u32) -> u64 {
         if src == NIL {
             return 0;

@@ -71,7 +71,8 @@ struct Local {
     map: Vec<u32>,
     /// Idle pages owned by this stream, least recently idled first.
     idle: FreeList,
-    /// Slot -> pool epoch when it went idle (to find the oldest idle page across streams).
+    /// Slot -> pool epoch when it went idle (to find the oldest idle page across streams);
+    /// `u64::MAX` if it never did here.
     stamp: Vec<u64>,
     /// Pages this stream uses now, and their peak.
     busy: u64,
@@ -96,6 +97,40 @@ struct Local {
 const EPOCH_EVENTS: usize = 64;
 
 impl Local {
+    /// Virtual page `v`, which a new block is the first to touch, takes its page back from
+    /// this stream's idle list if it is there (into `scratch.fast`); otherwise it is left for
+    /// the slow path (`scratch.need`). See [`PagePool::claim`].
+    #[inline]
+    fn take_idle(&mut self, v: u32, scratch: &mut ClaimScratch) {
+        let slot = self.map[v as usize];
+        if slot != NONE && self.idle.remove(slot) {
+            scratch.fast.push(slot);
+        } else {
+            scratch.need.push(v);
+        }
+    }
+
+    /// Virtual page `v`, which no block touches any more, lets its page go idle, still mapped,
+    /// at pool epoch `epoch`. See [`PagePool::released`].
+    #[inline]
+    fn let_go(&mut self, v: u32, epoch: u64) {
+        let slot = self.map[v as usize];
+        debug_assert!(slot != NONE, "released page was mapped");
+        self.stamp[slot as usize] = epoch;
+        self.idle.push_back(slot);
+        self.idle_unmarked |= self.foreign[slot as usize];
+    }
+
+    /// Makes the per-slot arrays cover slots `0..n` (every slot the pool has made), so that
+    /// the fast paths index them without growing them.
+    fn fit_slots(&mut self, n: usize) {
+        if self.stamp.len() < n {
+            self.stamp.resize(n, u64::MAX);
+            self.foreign.resize(n, false);
+            self.idle.fit(n);
+        }
+    }
+
     /// The first event this stream recorded after pool epoch `idle_since` (when a page went
     /// idle), if one is still kept: waiting for it covers the work queued before the page went
     /// idle and nothing queued later.
@@ -351,20 +386,22 @@ impl PagePool {
 
     fn register(&self, stream: Stream, base: u64, pages: u64) -> (u32, Arc<ShardPages>) {
         let mut p = self.inner.lock();
+        let mut local = Local {
+            map: vec![NONE; pages as usize],
+            idle: FreeList::default(),
+            stamp: Vec::new(),
+            busy: 0,
+            peak_busy: 0,
+            events: std::collections::VecDeque::new(),
+            idle_unmarked: false,
+            foreign: Vec::new(),
+            marks_wanted: false,
+        };
+        local.fit_slots(p.phys.len());
         let sh = Arc::new(ShardPages {
             stream,
             base,
-            local: Mutex::new(Local {
-                map: vec![NONE; pages as usize],
-                idle: FreeList::default(),
-                stamp: Vec::new(),
-                busy: 0,
-                peak_busy: 0,
-                events: std::collections::VecDeque::new(),
-                idle_unmarked: false,
-                foreign: Vec::new(),
-                marks_wanted: false,
-            }),
+            local: Mutex::new(local),
         });
         p.shards.push(sh.clone());
         self.streams.store(p.shards.len() as u64, Ordering::Relaxed);
@@ -377,36 +414,24 @@ impl PagePool {
         }
     }
 
-    /// Gives shard `me` a physical page under each virtual page of `vpages` (pages its new
-    /// block touches for the first time): its own idle pages without the pool's lock, the
-    /// rest through the slow path. On failure nothing is claimed.
+    /// Finishes a claim begun by [`Local::take_idle`] on shard `me`'s list `l` (locked by the
+    /// caller): the pages taken from its own idle list count as busy, and the virtual pages
+    /// left in `scratch.need` get pages through the slow path. On failure nothing is claimed.
     fn claim(
         &self,
         me: u32,
         mine: &ShardPages,
-        vpages: &[u32],
+        mut l: MutexGuard<'_, Local>,
         dev: &Device,
-        scratch: &mut ClaimScratch,
+        scratch: &ClaimScratch,
     ) -> Result<(), BackendError> {
         let ClaimScratch { need, fast } = scratch;
-        need.clear();
-        fast.clear();
-        {
-            let mut l = mine.local.lock();
-            for &v in vpages {
-                let slot = l.map[v as usize];
-                if slot != NONE && l.idle.remove(slot) {
-                    fast.push(slot);
-                } else {
-                    need.push(v);
-                }
-            }
-            l.busy += fast.len() as u64;
-            if need.is_empty() {
-                l.peak_busy = l.peak_busy.max(l.busy);
-                return Ok(());
-            }
+        l.busy += fast.len() as u64;
+        if need.is_empty() {
+            l.peak_busy = l.peak_busy.max(l.busy);
+            return Ok(());
         }
+        drop(l);
         let result = self.claim_slow(me, need, dev);
         let mut l = mine.local.lock();
         match result {
@@ -426,7 +451,10 @@ impl PagePool {
         }
     }
 
-    /// Finds and maps physical pages for `need` (virtual pages of shard `me`).
+    /// Finds and maps physical pages for `need` (virtual pages of shard `me`). Out of line,
+    /// so that the fast paths it is called from keep their registers.
+    #[cold]
+    #[inline(never)]
     fn claim_slow(&self, me: u32, need: &[u32], dev: &Device) -> Result<(), BackendError> {
         let mut p = self.inner.lock();
         let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
@@ -492,6 +520,9 @@ impl PagePool {
                 match d.create_page(Pool::Large) {
                     Ok(h) => {
                         let s = Self::new_slot(&mut p, h, me);
+                        for l in all.guards.iter_mut() {
+                            l.fit_slots(p.phys.len());
+                        }
                         created.push(s);
                         p.created += 1;
                         slot = Some(s);
@@ -570,11 +601,7 @@ impl PagePool {
         }
         for &(s, prev) in &taken {
             if prev != me {
-                let f = &mut all.guards[m].foreign;
-                if f.len() <= s as usize {
-                    f.resize(s as usize + 1, false);
-                }
-                f[s as usize] = true;
+                all.guards[m].foreign[s as usize] = true;
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
@@ -847,25 +874,19 @@ impl PagePool {
         }
     }
 
-    /// Shard `mine` no longer touches `vpages`: their pages go idle, still mapped, in its own
-    /// list (no shared state touched).
-    /// Returns whether the stream should now mark its place (see [`PagePool::mark`]).
-    fn release(&self, mine: &ShardPages, vpages: &[u32]) -> bool {
-        let epoch = self.epoch.load(Ordering::Relaxed);
-        let mut l = mine.local.lock();
-        for &v in vpages {
-            let slot = l.map[v as usize];
-            debug_assert!(slot != NONE, "released page was mapped");
-            if l.stamp.len() <= slot as usize {
-                l.stamp.resize(slot as usize + 1, 0);
-            }
-            l.stamp[slot as usize] = epoch;
-            l.idle.push_back(slot);
-            if l.foreign.get(slot as usize).copied().unwrap_or(false) {
-                l.idle_unmarked = true;
-            }
-        }
-        l.busy -= vpages.len() as u64;
+    /// Pool epoch now, for [`Local::let_go`]. Read with the stream's list locked: a slow path
+    /// that records an event on the stream holds that lock, so a page never counts as idle
+    /// since before an event that was recorded ahead of it.
+    #[inline]
+    fn epoch_now(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Shard `mine`'s list `l` let `n` pages go idle ([`Local::let_go`]); no shared state is
+    /// touched. Returns whether the stream should now mark its place (see [`PagePool::mark`]).
+    #[inline]
+    fn released(&self, l: &mut Local, n: u64) -> bool {
+        l.busy -= n;
         l.idle_unmarked && l.marks_wanted && self.streams.load(Ordering::Relaxed) >= 2
     }
 
@@ -1011,7 +1032,6 @@ impl PagePool {
 /// so that taking any page out of it (when its own virtual page touches it again) is O(1).
 /// A slot's links say whether it is in the list, so a membership test and a removal read the
 /// same entry.
-#[derive(Default)]
 struct FreeList {
     head: u32,
     tail: u32,
@@ -1023,15 +1043,22 @@ struct FreeList {
 /// The `previous` link of a slot that is not in the list.
 const OUT: u32 = NONE - 1;
 
+impl Default for FreeList {
+    fn default() -> Self {
+        Self {
+            head: NONE,
+            tail: NONE,
+            links: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
 impl FreeList {
-    #[inline]
-    fn grow(&mut self, slot: u32) {
-        if self.links.len() <= slot as usize {
-            if self.links.is_empty() {
-                self.head = NONE;
-                self.tail = NONE;
-            }
-            self.links.resize(slot as usize + 1, (OUT, NONE));
+    /// Makes room for slots `0..n` (see [`Local::fit_slots`]).
+    fn fit(&mut self, n: usize) {
+        if self.links.len() < n {
+            self.links.resize(n, (OUT, NONE));
         }
     }
 
@@ -1050,7 +1077,6 @@ impl FreeList {
 
     #[inline]
     fn push_back(&mut self, slot: u32) {
-        self.grow(slot);
         debug_assert!(!self.contains(slot));
         self.links[slot as usize] = (self.tail, NONE);
         if self.tail != NONE {
@@ -1063,7 +1089,6 @@ impl FreeList {
     }
 
     fn push_front(&mut self, slot: u32) {
-        self.grow(slot);
         debug_assert!(!self.contains(slot));
         self.links[slot as usize] = (NONE, self.head);
         if self.head != NONE {
@@ -1123,8 +1148,9 @@ fn runs(sorted: &[u32]) -> Vec<(u32, u32)> {
     out
 }
 
-/// The lists [`PagePool::claim`] fills: virtual pages that need a page from the pool, and
-/// pages taken back from the stream's own idle list (returned if the request fails).
+/// The lists [`Local::take_idle`] fills for [`PagePool::claim`]: virtual pages that need a page
+/// from the pool, and pages taken back from the stream's own idle list (returned if the
+/// request fails).
 #[derive(Default)]
 struct ClaimScratch {
     need: Vec<u32>,
@@ -1142,7 +1168,6 @@ pub struct Stitched {
     va_bytes: u64,
     shift: u32,
     touch: Vec<u32>,
-    fresh: Vec<u32>,
     /// Scratch lists of [`PagePool::claim`], kept so that claiming pages allocates nothing.
     scratch: ClaimScratch,
     /// Pages went idle that call for a mark (see [`PagePool::mark`]): recorded once the free
@@ -1165,7 +1190,6 @@ impl Stitched {
             set: BlockSet::new(false, false).with_quick_cache(1, QUICK_MAX),
             base: 0,
             touch: Vec::new(),
-            fresh: Vec::new(),
             scratch: ClaimScratch::default(),
             mark_due: false,
         }
@@ -1192,10 +1216,11 @@ impl Stitched {
     }
 
     #[inline]
-    fn page_range(&self, addr: u64, size: u64) -> std::ops::RangeInclusive<u32> {
-        let first = ((addr - self.base) >> self.shift) as u32;
-        let last = ((addr + size - 1 - self.base) >> self.shift) as u32;
-        first..=last
+    fn page_range(&self, addr: u64, size: u64) -> std::ops::Range<usize> {
+        // A half-open range: an inclusive one carries an `exhausted` flag through every step.
+        let first = ((addr - self.base) >> self.shift) as usize;
+        let end = ((addr + size - 1 - self.base) >> self.shift) as usize + 1;
+        first..end
     }
 
     /// Makes pending block `id` reusable and lets go of the pages only it touched.
@@ -1241,48 +1266,62 @@ impl Stitched {
     /// A block now covers `[addr, addr + size)`: count it on its pages and claim a physical
     /// page for each page it is the first to touch. On failure nothing changes.
     fn touch_pages(&mut self, addr: u64, size: u64, dev: &Device) -> Result<(), BackendError> {
-        self.fresh.clear();
-        for v in self.page_range(addr, size) {
-            let t = &mut self.touch[v as usize];
+        let range = self.page_range(addr, size);
+        let sp = self
+            .pages
+            .as_ref()
+            .expect("initialised with the first allocation");
+        let scratch = &mut self.scratch;
+        scratch.need.clear();
+        scratch.fast.clear();
+        // The stream's page list is locked at the first page this block is the first to touch
+        // (none: no lock at all), and pages are taken back as they are counted.
+        let mut local: Option<MutexGuard<'_, Local>> = None;
+        for v in range.clone() {
+            let t = &mut self.touch[v];
             *t += 1;
             if *t == 1 {
-                self.fresh.push(v);
+                local
+                    .get_or_insert_with(|| sp.local.lock())
+                    .take_idle(v as u32, scratch);
             }
         }
-        if !self.fresh.is_empty() {
-            let sp = self
-                .pages
-                .as_ref()
-                .expect("initialised with the first allocation");
-            let claimed = self
-                .pool
-                .claim(self.shard, sp, &self.fresh, dev, &mut self.scratch);
-            if let Err(e) = claimed {
-                for v in self.page_range(addr, size) {
-                    self.touch[v as usize] -= 1;
-                }
-                return Err(e);
+        let Some(l) = local else {
+            return Ok(());
+        };
+        let claimed = self.pool.claim(self.shard, sp, l, dev, scratch);
+        if claimed.is_err() {
+            for v in range {
+                self.touch[v] -= 1;
             }
         }
-        Ok(())
+        claimed
     }
 
-    /// No block covers `[addr, addr + size)` any more: pages nothing else touches go idle.
+    /// No block covers `[addr, addr + size)` any more: pages nothing else touches go idle, in
+    /// the stream's own list (no shared state touched).
     fn untouch_pages(&mut self, addr: u64, size: u64) {
-        self.fresh.clear();
-        for v in self.page_range(addr, size) {
-            let t = &mut self.touch[v as usize];
+        let range = self.page_range(addr, size);
+        let sp = self
+            .pages
+            .as_ref()
+            .expect("initialised with the first allocation");
+        let mut local: Option<(MutexGuard<'_, Local>, u64)> = None;
+        let mut n = 0;
+        for v in range {
+            let t = &mut self.touch[v];
             *t -= 1;
             if *t == 0 {
-                self.fresh.push(v);
+                let (l, epoch) = local.get_or_insert_with(|| {
+                    let l = sp.local.lock();
+                    (l, self.pool.epoch_now())
+                });
+                l.let_go(v as u32, *epoch);
+                n += 1;
             }
         }
-        if !self.fresh.is_empty() {
-            let sp = self
-                .pages
-                .as_ref()
-                .expect("initialised with the first allocation");
-            self.mark_due |= self.pool.release(sp, &self.fresh);
+        if let Some((mut l, _)) = local {
+            self.mark_due |= self.pool.released(&mut l, n);
         }
     }
 }
