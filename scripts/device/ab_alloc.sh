@@ -3,7 +3,10 @@
 # rounds, each running `gpumem bench alloc` with the old binary and then the new one (so host
 # noise that drifts over minutes hits both alike), and a table of every (policy, case) as
 # "old -> new" per round. A change of a few percent is hidden by the H200 host's run-to-run
-# noise (±30 % single-threaded); the 8-thread case is the steadiest.
+# noise: with the same binary on both sides (an A/A run, BENCHMARKS.md §4 session 13) single-thread
+# figures moved by -37 % to +45 % within a round, the 8-thread case by -5 % to +9 %. Count
+# instructions for small changes (cachegrind on the simulated device); use this for a check that
+# nothing got slower by more than that.
 #
 # Needs: the new binary at target/release/gpumem and an old one (e.g. a stripped build of an
 # earlier commit copied into .device/, which is git-ignored and carried: run tool

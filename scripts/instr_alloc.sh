@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Instructions per alloc/free pair in `gpumem bench alloc`'s timed loop, on the simulated
+# device: the measure of small changes to the allocation path, which the GPU machine's timing
+# noise hides (see scripts/device/ab_alloc.sh). Deterministic: the same binary gives the same
+# count to within a few instructions.
+#
+# Method: valgrind's cachegrind counts every instruction of the process at --runs 1 and at
+# --runs 3; the difference is two timed runs (op generation, setup and the warm-up run cancel
+# out), halved and divided by the case's allocations.
+#
+# Usage, from the repository root (needs valgrind; cargo build --release first):
+#     bash scripts/instr_alloc.sh [BINARY...]        # default: target/release/gpumem
+# Optional: CASES, a list of "policy[ --conf ...]|case|allocations" entries (default below:
+# stitched with --conf slack:0.1 on the 64 MiB case, so that its timed runs make no driver
+# calls, as on the GPU once the remap budget has raised spare pages).
+# Prints one line per binary: instructions per pair for each entry, in order.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind >/dev/null || { echo "instr_alloc.sh: valgrind is not installed" >&2; exit 2; }
+[[ $# -gt 0 ]] || set -- target/release/gpumem
+DEFAULT_CASES=(
+    "stitched --conf slack:0.1|random_512B_64MiB_live500|100000"
+    "stitched|random_512B_1MiB_live2000|200000"
+    "stitched|same_1MiB|200000"
+    "caching|random_512B_64MiB_live500|100000"
+    "caching|random_512B_1MiB_live2000|200000"
+    "buddy|random_512B_64MiB_live500|100000"
+)
+if [[ -n "${CASES:-}" ]]; then
+    mapfile -t cases <<< "$CASES"
+else
+    cases=("${DEFAULT_CASES[@]}")
+fi
+
+count() { # binary, policy args, runs, case -> instructions of the whole process
+    # shellcheck disable=SC2086  # the policy entry is a list of arguments
+    valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null \
+        "$1" bench alloc --sim -p $2 --threads 1 --runs "$3" --case "$4" 2>&1 >/dev/null \
+        | awk '/I *refs/ {gsub(",", "", $NF); print $NF}'
+}
+
+echo "instructions per alloc/free pair, timed loop:"
+for e in "${cases[@]}"; do
+    IFS='|' read -r p c _ <<< "$e"
+    echo "  - $p, $c"
+done
+for bin in "$@"; do
+    [[ -x "$bin" ]] || { echo "instr_alloc.sh: $bin is not an executable" >&2; exit 2; }
+    line="$bin:"
+    for e in "${cases[@]}"; do
+        IFS='|' read -r p c n <<< "$e"
+        a=$(count "$bin" "$p" 1 "$c")
+        b=$(count "$bin" "$p" 3 "$c")
+        [[ -n "$a" && -n "$b" ]] || { echo "instr_alloc.sh: no count for $p $c" >&2; exit 1; }
+        line="$line $(awk -v a="$a" -v b="$b" -v n="$n" 'BEGIN { printf "%.0f", (b - a) / 2 / n }')"
+    done
+    echo "$line"
+done
