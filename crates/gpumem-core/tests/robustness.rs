@@ -59,6 +59,29 @@ fn stitched_map_failure_mid_claim_returns_every_page() {
 }
 
 #[test]
+fn stitched_failed_claim_gives_back_the_idle_pages_it_took() {
+    let (a, faults, _) = faulty("policy:stitched", 1 << 30, EventMode::Immediate);
+    // Two pages mapped and idle at the bottom of the stream's range.
+    let x = a.allocate(4 * MIB, 0).unwrap();
+    a.free(x.ptr).unwrap();
+    let held = a.held_bytes();
+    assert_eq!(held, 4 * MIB);
+    // 8 MiB at the same address: its first two pages come back from the idle list on the fast
+    // path, the other two need new pages, and mapping the second of those fails.
+    faults.arm(DriverCall::MemMap, 1, 1);
+    assert!(a.allocate(8 * MIB, 0).is_err());
+    faults.disarm();
+    a.check().unwrap();
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+    // The two idle pages are idle again: the same request succeeds, reusing them, and after
+    // a free and an empty_cache nothing stays held (a page lost from the idle list would).
+    let y = a.allocate(8 * MIB, 0).unwrap();
+    assert_eq!(y.ptr, x.ptr, "placed where the idle pages are mapped");
+    a.free(y.ptr).unwrap();
+    assert_all_returned(&a, "after a failed claim that had taken idle pages");
+}
+
+#[test]
 fn stitched_mark_failing_at_the_end_of_a_claim_costs_nothing() {
     let (a, faults, _) = faulty("policy:stitched", 1 << 30, EventMode::Immediate);
     // The first slow path ends by recording an event on the stream (a mark for later remaps,
