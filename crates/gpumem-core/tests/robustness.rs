@@ -58,6 +58,9 @@ fn stitched_map_failure_mid_claim_returns_every_page() {
     assert_all_returned(&a, "after a failed cuMemMap");
 }
 
+/// Guards the undo of the one-pass claim (2026-12-01, session 13), not a past bug: it fails
+/// if the pages taken on the fast path are not put back on the idle list, or if the block's
+/// page counts are not undone.
 #[test]
 fn stitched_failed_claim_gives_back_the_idle_pages_it_took() {
     let (a, faults, _) = faulty("policy:stitched", 1 << 30, EventMode::Immediate);
