@@ -874,9 +874,10 @@ impl PagePool {
         }
     }
 
-    /// Pool epoch now, for [`Local::let_go`]. Read with the stream's list locked: a slow path
-    /// that records an event on the stream holds that lock, so a page never counts as idle
-    /// since before an event that was recorded ahead of it.
+    /// Pool epoch now, the stamp [`Local::let_go`] gives pages going idle (see
+    /// [`Local::covering_event`]). Only the stream's own slow paths and marks put events in its
+    /// list, and they are ordered against its frees by the engine's lock on the stream, so the
+    /// stamp is never older than an event recorded before the pages went idle.
     #[inline]
     fn epoch_now(&self) -> u64 {
         self.epoch.load(Ordering::Relaxed)
