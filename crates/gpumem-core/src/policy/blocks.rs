@@ -188,9 +188,7 @@ impl BlockSet {
         let b = &self.blocks[id as usize];
         let h = self.segments[b.seg as usize].pool.index();
         match b.state {
-            State::Free => {
-                self.free[h].insert(id, b.size, b.addr);
-            }
+            State::Free => self.index_free(id),
             State::Unmapped => {
                 self.unmapped[h].insert(b.addr, id);
             }
@@ -205,9 +203,7 @@ impl BlockSet {
         let b = &self.blocks[id as usize];
         let h = self.segments[b.seg as usize].pool.index();
         match b.state {
-            State::Free => {
-                self.free[h].remove(id, b.size, b.addr);
-            }
+            State::Free => self.unindex_free(id),
             State::Unmapped => {
                 self.unmapped[h].remove(&b.addr);
             }
@@ -217,8 +213,8 @@ impl BlockSet {
         }
     }
 
-    /// Puts free block `id` in the free index (what [`BlockSet::index`] does for a free block,
-    /// without looking at its state).
+    /// Puts free block `id` in the free index: [`BlockSet::index`]'s case of a free block, called
+    /// directly where the block is known to be free.
     #[inline]
     fn index_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
@@ -227,7 +223,8 @@ impl BlockSet {
         self.free[h].insert(id, b.size, b.addr);
     }
 
-    /// Takes free block `id` out of the free index.
+    /// Takes free block `id` out of the free index ([`BlockSet::unindex`]'s case of a free
+    /// block).
     #[inline]
     fn unindex_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];

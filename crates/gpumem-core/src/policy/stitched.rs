@@ -519,10 +519,7 @@ impl PagePool {
             if want_new {
                 match d.create_page(Pool::Large) {
                     Ok(h) => {
-                        let s = Self::new_slot(&mut p, h, me);
-                        for l in all.guards.iter_mut() {
-                            l.fit_slots(p.phys.len());
-                        }
+                        let s = Self::new_slot(&mut p, &mut all, h, me);
                         created.push(s);
                         p.created += 1;
                         slot = Some(s);
@@ -557,12 +554,7 @@ impl PagePool {
         // must come first.
         for &(s, prev) in &taken {
             if prev != me {
-                let idle_since = all.guards[prev as usize]
-                    .stamp
-                    .get(s as usize)
-                    .copied()
-                    .unwrap_or(u64::MAX);
-                others.push((prev, idle_since));
+                others.push((prev, all.guards[prev as usize].stamp[s as usize]));
             }
         }
         let traded = !others.is_empty();
@@ -738,7 +730,7 @@ impl PagePool {
                 .iter()
                 .map(|&v| {
                     let old = all.guards[m].map[v as usize] as usize;
-                    all.guards[m].stamp.get(old).copied().unwrap_or(u64::MAX)
+                    all.guards[m].stamp[old]
                 })
                 .max()
                 .unwrap_or(u64::MAX);
@@ -853,7 +845,9 @@ impl PagePool {
         }
     }
 
-    fn new_slot(p: &mut Pages, handle: PhysHandle, owner: u32) -> u32 {
+    /// Files a new physical page in a free slot; every stream's per-slot arrays are made to
+    /// cover it (see [`Local::fit_slots`]).
+    fn new_slot(p: &mut Pages, all: &mut AllLocals, handle: PhysHandle, owner: u32) -> u32 {
         let ph = Phys {
             handle,
             owner,
@@ -869,6 +863,9 @@ impl PagePool {
                 p.phys.push(Some(ph));
                 let slot = (p.phys.len() - 1) as u32;
                 assert!(slot < OUT, "physical page slots exhausted");
+                for l in all.guards.iter_mut() {
+                    l.fit_slots(p.phys.len());
+                }
                 slot
             }
         }

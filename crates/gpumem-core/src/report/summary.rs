@@ -277,7 +277,7 @@ impl Walk {
 
     /// Undoes a change of `delta` in `pool` (walking the history backwards).
     fn undo(&mut self, pool: Pool, delta: i64) {
-        let i = pool_index(pool);
+        let i = pool.index();
         self.cur[i] -= delta;
         if delta > 0 {
             self.up[i] += delta;
@@ -304,13 +304,6 @@ impl Walk {
 
     fn at_start_all(&self) -> i64 {
         self.cur[0] + self.cur[1]
-    }
-}
-
-fn pool_index(p: Pool) -> usize {
-    match p {
-        Pool::Small => 0,
-        Pool::Large => 1,
     }
 }
 
