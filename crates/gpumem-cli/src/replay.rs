@@ -2,10 +2,12 @@
 
 use clap::Args;
 use gpumem_core::policy::PolicyKind;
+use gpumem_core::reference::lower_reference;
 use gpumem_core::replay::{replay_all, ReplayOptions};
 use gpumem_core::report::replay_table;
 use gpumem_core::trace;
 use gpumem_core::units::parse_size;
+use gpumem_core::units::DEFAULT_PAGE;
 use gpumem_core::Config;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -211,17 +213,23 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
                 b.finish_and_clear();
             })
         });
+        let reference = s.spawn(|| lower_reference(&trace, DEFAULT_PAGE));
         let r = replay_all(&trace, &policies, &opts, Some(&done));
         done.store(total, Ordering::Relaxed);
         if let Some(w) = watcher {
             let _ = w.join();
         }
-        r
+        (r, reference.join())
     });
+    let (results, reference) = results;
+    let reference = reference.map_err(|_| "the lower reference's thread panicked".to_string())?;
     let mut ok = Vec::new();
     for (p, r) in policies.iter().zip(results) {
         match r {
-            Ok(r) => ok.push(r),
+            Ok(mut r) => {
+                r.lower_reference = Some(reference.ratio);
+                ok.push(r)
+            }
             Err(e) => return Err(format!("replay under {} failed: {e}", p.name())),
         }
     }
@@ -233,7 +241,12 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
     } else {
         out_print!(
             "{}",
-            replay_table::render(&a.trace.display().to_string(), trace.events.len(), &ok)
+            replay_table::render(
+                &a.trace.display().to_string(),
+                trace.events.len(),
+                &ok,
+                Some(&reference)
+            )
         );
     }
     let mut file_errors = Vec::new();

@@ -169,3 +169,44 @@ fn absurd_probe_and_intensity_sizes_get_a_range_not_a_panic() {
         "{j}"
     );
 }
+
+/// The replay shows the trace's lower reference beside the policies: in the table, and in
+/// every policy's JSON line. The small MLP trace's lower reference is 1.0175 of live, and its
+/// stitched replay holds exactly that.
+#[test]
+fn replay_shows_the_lower_reference() {
+    let mlp = bundled_trace("validation/mlp.pickle.gz");
+    let out = gpumem()
+        .arg("replay")
+        .arg(&mlp)
+        .args(["-p", "caching", "-p", "stitched", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for l in &lines {
+        let r = l["lower_reference"]
+            .as_f64()
+            .expect("a lower_reference field");
+        assert!((r - 1.0175).abs() < 0.00005, "{l}");
+    }
+    // The caching policy (PyTorch's segments) is far above it, stitched on it.
+    assert!(lines[0]["ratio"].as_f64().unwrap() > 1.1);
+    assert!((lines[1]["ratio"].as_f64().unwrap() - 1.0175).abs() < 0.00005);
+    let out = gpumem()
+        .arg("replay")
+        .arg(&mlp)
+        .args(["-p", "stitched"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains("lower reference (shared/ANCHORS.md §1): 1.0175 of live"),
+        "{table}"
+    );
+}

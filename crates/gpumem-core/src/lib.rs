@@ -31,6 +31,7 @@ pub use engine::{Allocation, Allocator};
 pub use error::{AllocError, BackendError, OomReport, TraceError};
 pub use policy::PolicyKind;
 pub use stats::MemoryStats;
+pub mod reference;
 pub mod replay;
 pub mod report;
 pub mod trace;

@@ -79,6 +79,11 @@ pub struct PolicyResult {
     /// ([`Allocator::policy_notes`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// The trace's lower reference ([`crate::reference`]: best fit in one range, pages held
+    /// only while touched), held ÷ live, when the caller computed it; the same for every
+    /// policy of a trace.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lower_reference: Option<f64>,
 }
 
 /// One sample of a replay's timeline.
@@ -444,6 +449,7 @@ pub fn replay_on(
         timeline,
         fidelity,
         notes: alloc.policy_notes(),
+        lower_reference: None,
     })
 }
 

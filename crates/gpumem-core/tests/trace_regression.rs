@@ -3,11 +3,14 @@
 //! - stitched: peak held ÷ peak live ≤ 1.02 on every trace, and no driver call in the last
 //!   quarter of the fixed-shape training traces (steady state);
 //! - native: the same segment allocations as the recorded allocator, peak held within 0.5 %;
-//! - expandable: within 2 % of the expandable-segments column of ANCHORS.md §1.
+//! - expandable: within 2 % of the expandable-segments column of ANCHORS.md §1;
+//! - the lower reference (`gpumem_core::reference`): ANCHORS.md §1's own figures.
 
 use gpumem_core::policy::PolicyKind;
+use gpumem_core::reference::lower_reference;
 use gpumem_core::replay::{replay, ReplayOptions};
 use gpumem_core::trace;
+use gpumem_core::units::DEFAULT_PAGE;
 use std::path::PathBuf;
 
 fn load(name: &str) -> trace::Trace {
@@ -17,17 +20,26 @@ fn load(name: &str) -> trace::Trace {
     trace::load(&p, 0, None).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// (trace, expandable ratio measured on the H200 in ANCHORS.md §1, fixed-shape training?)
-const TRACES: [(&str, f64, bool); 5] = [
-    ("gpt2_train", 1.097, true),
-    ("gpt2_varlen", 1.071, false),
-    ("resnet50_train", 1.007, true),
-    ("llama_decode", 1.018, false),
-    ("prefetch_mlp", 1.072, false),
+/// (trace, expandable ratio measured on the H200 in ANCHORS.md §1, fixed-shape training?,
+/// ANCHORS.md §1's lower reference)
+const TRACES: [(&str, f64, bool, f64); 5] = [
+    ("gpt2_train", 1.097, true, 1.0007),
+    ("gpt2_varlen", 1.071, false, 1.0010),
+    ("resnet50_train", 1.007, true, 1.0023),
+    ("llama_decode", 1.018, false, 1.0016),
+    ("prefetch_mlp", 1.072, false, 1.0082),
 ];
 
-fn check_trace(name: &str, expandable_anchor: f64, fixed_shapes: bool) {
+fn check_trace((name, expandable_anchor, fixed_shapes, reference): (&str, f64, bool, f64)) {
     let t = load(name);
+    // The lower reference is computed as ANCHORS.md defines it: its figures, to the fourth
+    // decimal they are given to.
+    let r = lower_reference(&t, DEFAULT_PAGE);
+    assert!(
+        (r.ratio - reference).abs() < 0.00005,
+        "{name}: lower reference {:.5}, ANCHORS.md says {reference}",
+        r.ratio
+    );
     let opts = ReplayOptions::default();
     let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
     assert!(
@@ -74,32 +86,27 @@ fn check_trace(name: &str, expandable_anchor: f64, fixed_shapes: bool) {
 
 #[test]
 fn gpt2_train() {
-    let (n, e, f) = TRACES[0];
-    check_trace(n, e, f);
+    check_trace(TRACES[0]);
 }
 
 #[test]
 fn gpt2_varlen() {
-    let (n, e, f) = TRACES[1];
-    check_trace(n, e, f);
+    check_trace(TRACES[1]);
 }
 
 #[test]
 fn resnet50_train() {
-    let (n, e, f) = TRACES[2];
-    check_trace(n, e, f);
+    check_trace(TRACES[2]);
 }
 
 #[test]
 fn llama_decode() {
-    let (n, e, f) = TRACES[3];
-    check_trace(n, e, f);
+    check_trace(TRACES[3]);
 }
 
 #[test]
 fn prefetch_mlp() {
-    let (n, e, f) = TRACES[4];
-    check_trace(n, e, f);
+    check_trace(TRACES[4]);
 }
 
 /// An unseen recorded trace (under `traces/`): stitched within 1.02 of live and below native
@@ -167,7 +174,9 @@ fn unseen_training_and_decoding_workloads() {
 /// streams cannot share a page, and at the peak the pages touched are 1.05 of the live bytes.
 /// Its overhead is still under a tenth of PyTorch's (native 1.80, expandable 1.66). This guards the
 /// figure against regressions (the replay is deterministic: 1.0512 when the trace was added,
-/// bounded here at 1.056); it is not the target.
+/// bounded here at 1.056); it is not the target. Best-fit placement does not reach the bound on
+/// this trace even with pages free to move: its lower reference (every block best-fit in one
+/// range shared by all streams, each page held only while touched) is itself 1.0272.
 #[test]
 fn multi_stream_server_known_miss() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/validation");
@@ -177,6 +186,12 @@ fn multi_stream_server_known_miss() {
     let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
     let e = replay(&t, PolicyKind::Expandable, &opts, None).unwrap();
     assert!(s.ratio <= 1.056, "stitched ratio {:.4} > 1.056", s.ratio);
+    let r = lower_reference(&t, DEFAULT_PAGE);
+    assert!(
+        (r.ratio - 1.0272).abs() < 0.00005,
+        "lower reference {:.5}",
+        r.ratio
+    );
     assert!(
         s.ratio - 1.0 < 0.1 * (e.ratio.min(n.ratio) - 1.0),
         "stitched {:.4} against native {:.4} and expandable {:.4}",

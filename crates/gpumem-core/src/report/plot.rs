@@ -381,6 +381,7 @@ mod tests {
                 .collect(),
             fidelity: None,
             notes: Vec::new(),
+            lower_reference: None,
         }
     }
 

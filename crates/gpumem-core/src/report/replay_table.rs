@@ -1,11 +1,18 @@
 //! The table `gpumem replay` prints: one row per policy, side by side.
 
+use crate::reference::LowerReference;
 use crate::replay::PolicyResult;
 use crate::units::format_size;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Cell, CellAlignment, ContentArrangement, Table};
 
-/// Renders replay results for people.
-pub fn render(trace_name: &str, events: usize, results: &[PolicyResult]) -> String {
+/// Renders replay results for people, with the trace's lower reference under the table when
+/// it was computed.
+pub fn render(
+    trace_name: &str,
+    events: usize,
+    results: &[PolicyResult],
+    reference: Option<&LowerReference>,
+) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED)
         .set_content_arrangement(ContentArrangement::Dynamic)
@@ -36,6 +43,17 @@ pub fn render(trace_name: &str, events: usize, results: &[PolicyResult]) -> Stri
         t.add_row(row);
     }
     let mut out = format!("{trace_name}: {events} events\n{t}\n");
+    if let Some(r) = reference {
+        out.push_str(&format!(
+            "lower reference (shared/ANCHORS.md §1): {:.4} of live, {} in {} pages at the peak, \
+             with every block placed best-fit in one range and each page held only while a live \
+             block touches it; not a strict bound (a policy may place better), but what free page \
+             moves would give best fit\n",
+            r.ratio,
+            format_size(r.peak_page_bytes),
+            format_size(r.page_bytes)
+        ));
+    }
     for r in results {
         if r.ooms > 0 {
             out.push_str(&format!(
@@ -105,19 +123,25 @@ mod tests {
             timeline: Vec::new(),
             fidelity: None,
             notes: Vec::new(),
+            lower_reference: None,
         }
     }
 
     #[test]
     fn steady_state_calls_point_at_the_slack_setting() {
-        let out = render("t", 10, &[result("caching", 95), result("stitched", 95)]);
+        let out = render(
+            "t",
+            10,
+            &[result("caching", 95), result("stitched", 95)],
+            None,
+        );
         assert!(
             out.contains("stitched makes 95 driver calls in the last quarter"),
             "{out}"
         );
         assert!(out.contains("about 0.9 ms"), "{out}");
         assert_eq!(out.matches("slack:0.08").count(), 1, "{out}");
-        let quiet = render("t", 10, &[result("stitched", 19)]);
+        let quiet = render("t", 10, &[result("stitched", 19)], None);
         assert!(!quiet.contains("slack"), "{quiet}");
     }
 
@@ -125,7 +149,7 @@ mod tests {
     fn policy_notes_are_printed_under_the_table() {
         let mut r = result("stitched", 0);
         r.notes = vec!["stitched: the streams stopped taking each other's idle pages".into()];
-        let out = render("t", 10, &[r]);
+        let out = render("t", 10, &[r], None);
         assert!(
             out.contains("\nstitched: the streams stopped taking each other's idle pages\n"),
             "{out}"
