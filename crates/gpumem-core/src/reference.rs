@@ -89,6 +89,57 @@ impl Range {
     }
 }
 
+/// Pages touched by live blocks, counted in space proportional to the live blocks (not to the
+/// range: a trace may ask for blocks of up to a petabyte). A page strictly inside a block is
+/// covered by it alone, so only a block's first and last pages can be shared; those are
+/// counted per page, the pages between as one sum.
+#[derive(Default)]
+struct Pages {
+    shift: u32,
+    /// First or last page of some live block -> how many live blocks touch it.
+    ends: FxHashMap<u64, u32>,
+    /// Pages strictly inside live blocks.
+    inside: u64,
+}
+
+impl Pages {
+    fn held(&self) -> u64 {
+        self.inside + self.ends.len() as u64
+    }
+
+    fn ends_of(&self, addr: u64, size: u64) -> (u64, u64) {
+        (addr >> self.shift, (addr + size - 1) >> self.shift)
+    }
+
+    fn touch(&mut self, addr: u64, size: u64) {
+        let (first, last) = self.ends_of(addr, size);
+        *self.ends.entry(first).or_insert(0) += 1;
+        if last != first {
+            *self.ends.entry(last).or_insert(0) += 1;
+            self.inside += last - first - 1;
+        }
+    }
+
+    fn untouch(&mut self, addr: u64, size: u64) {
+        let (first, last) = self.ends_of(addr, size);
+        let mut drop_end = |p: u64| {
+            let n = self
+                .ends
+                .get_mut(&p)
+                .expect("a live block's end page is counted");
+            *n -= 1;
+            if *n == 0 {
+                self.ends.remove(&p);
+            }
+        };
+        drop_end(first);
+        if last != first {
+            drop_end(last);
+            self.inside -= last - first - 1;
+        }
+    }
+}
+
 /// Computes the lower reference of `trace` with pages of `page_bytes` (a power of two; 2 MiB
 /// on NVIDIA GPUs). A block is live from its `alloc` to its `free_completed`, as in the
 /// replay's peak live bytes; an `alloc` at an address still live replaces the earlier block.
@@ -97,52 +148,37 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
         page_bytes.is_power_of_two(),
         "page size must be a power of two"
     );
-    let shift = page_bytes.trailing_zeros();
     let mut range = Range::default();
+    let mut pages = Pages {
+        shift: page_bytes.trailing_zeros(),
+        ..Default::default()
+    };
     // Trace address -> (placed address, placed size, requested size).
     let mut live: FxHashMap<u64, (u64, u64, u64)> = FxHashMap::default();
-    let mut touches: Vec<u32> = Vec::new();
-    let (mut pages, mut peak_pages) = (0u64, 0u64);
+    let mut peak_pages = 0u64;
     let (mut live_bytes, mut peak_live) = (0u64, 0u64);
-    let mut range_bytes = 0u64;
-
     for e in &trace.events {
-        match e.kind {
-            // The replay leaves zero-byte allocations out (`Trace::warnings`); so does this.
-            Kind::Alloc if e.size > 0 => {
-                if let Some((a, s, req)) = live.remove(&e.addr) {
-                    live_bytes -= req;
-                    release(&mut range, &mut touches, &mut pages, shift, a, s);
-                }
-                let size = e.size.div_ceil(ROUND) * ROUND;
-                let addr = range.place(size);
-                range_bytes = range_bytes.max(range.top);
-                let last = (addr + size - 1) >> shift;
-                if touches.len() <= last as usize {
-                    touches.resize(last as usize + 1, 0);
-                }
-                for p in (addr >> shift)..=last {
-                    let t = &mut touches[p as usize];
-                    if *t == 0 {
-                        pages += 1;
-                    }
-                    *t += 1;
-                }
-                peak_pages = peak_pages.max(pages);
-                live.insert(e.addr, (addr, size, e.size));
-                live_bytes += e.size;
-                peak_live = peak_live.max(live_bytes);
-            }
-            Kind::FreeCompleted => {
-                if let Some((a, s, req)) = live.remove(&e.addr) {
-                    live_bytes -= req;
-                    release(&mut range, &mut touches, &mut pages, shift, a, s);
-                }
-            }
-            _ => {}
+        let ended = match e.kind {
+            Kind::Alloc | Kind::FreeCompleted => live.remove(&e.addr),
+            _ => None,
+        };
+        if let Some((addr, size, requested)) = ended {
+            live_bytes -= requested;
+            pages.untouch(addr, size);
+            range.free(addr, size);
+        }
+        // The replay leaves zero-byte allocations out (`Trace::warnings`); so does this.
+        if e.kind == Kind::Alloc && e.size > 0 {
+            let size = e.size.div_ceil(ROUND) * ROUND;
+            let addr = range.place(size);
+            pages.touch(addr, size);
+            peak_pages = peak_pages.max(pages.held());
+            live.insert(e.addr, (addr, size, e.size));
+            live_bytes += e.size;
+            peak_live = peak_live.max(live_bytes);
         }
     }
-    let peak_page_bytes = peak_pages << shift;
+    let peak_page_bytes = peak_pages * page_bytes;
     LowerReference {
         page_bytes,
         peak_page_bytes,
@@ -152,27 +188,8 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
         } else {
             peak_page_bytes as f64 / peak_live as f64
         },
-        range_bytes,
+        range_bytes: range.top,
     }
-}
-
-/// Ends a placed block: its pages lose a touch, its range goes back to the free space.
-fn release(
-    range: &mut Range,
-    touches: &mut [u32],
-    pages: &mut u64,
-    shift: u32,
-    addr: u64,
-    size: u64,
-) {
-    for p in (addr >> shift)..=((addr + size - 1) >> shift) {
-        let t = &mut touches[p as usize];
-        *t -= 1;
-        if *t == 0 {
-            *pages -= 1;
-        }
-    }
-    range.free(addr, size);
 }
 
 #[cfg(test)]
@@ -272,5 +289,23 @@ mod tests {
         assert_eq!(r.range_bytes, 512 + 1024);
         assert_eq!(r.peak_page_bytes, 2 * MIB);
         assert_eq!(lower_reference(&Trace::default(), 2 * MIB).ratio, 1.0);
+    }
+
+    #[test]
+    fn blocks_of_a_petabyte_are_counted_without_a_table_of_their_pages() {
+        // The largest size a trace may hold (1 PiB, 2^29 pages) is counted in constant space.
+        // The 1 MiB block takes the first half of page 2^29, and the second petabyte starts
+        // right after it, sharing that page: 2^30 + 1 pages in all.
+        let pib = 1u64 << 50;
+        let t = trace(vec![
+            ev(Kind::Alloc, 1, pib),
+            ev(Kind::Alloc, 2, MIB),
+            ev(Kind::Alloc, 3, pib),
+        ]);
+        let r = lower_reference(&t, 2 * MIB);
+        let pages = (pib >> 21) + (pib >> 21) + 1;
+        assert_eq!(r.peak_page_bytes, pages * 2 * MIB);
+        assert_eq!(r.peak_live_bytes, 2 * pib + MIB);
+        assert_eq!(r.range_bytes, 2 * pib + MIB);
     }
 }
