@@ -20,9 +20,10 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 use gpumem_core::backend::Backend;
 use gpumem_core::policy::PolicyKind;
+use gpumem_core::reference::lower_reference;
 use gpumem_core::replay::{replay, replay_on, ReplayOptions, OTHER_STREAM};
 use gpumem_core::trace::Trace;
-use gpumem_core::units::format_size;
+use gpumem_core::units::{format_size, DEFAULT_PAGE};
 use gpumem_core::Config;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -79,6 +80,9 @@ pub struct CudaReplayResult {
     pub baseline_free_bytes: u64,
     /// Baseline free − free after the memory was returned (0: all of it came back).
     pub not_returned_bytes: i64,
+    /// The trace's lower reference ([`gpumem_core::reference`]), held ÷ live; the same for
+    /// every policy of a trace.
+    pub lower_reference: f64,
 }
 
 fn rel(a: u64, b: u64) -> f64 {
@@ -169,6 +173,9 @@ pub struct GpuReplay {
     streams: Vec<Arc<CudaStream>>,
     /// The stream that cross-stream uses are recorded on.
     other: Arc<CudaStream>,
+    /// The trace's lower reference, held ÷ live (a property of the trace, reported beside
+    /// every policy's figures).
+    reference: f64,
 }
 
 impl GpuReplay {
@@ -194,6 +201,7 @@ impl GpuReplay {
             name,
             stream_ids,
             streams,
+            reference: lower_reference(trace, DEFAULT_PAGE).ratio,
             other,
         };
         g.warm_up()?;
@@ -358,6 +366,7 @@ impl GpuReplay {
             sim_seconds,
             baseline_free_bytes: baseline_free,
             not_returned_bytes: baseline_free as i64 - free_after as i64,
+            lower_reference: self.reference,
         })
     }
 }
@@ -468,7 +477,12 @@ pub fn render(source: &str, rs: &[CudaReplayResult]) -> String {
     let device = rs.first().map_or("the GPU", |r| r.device.as_str());
     format!(
         "{source} replayed on {device}: every block written; physical = free before − lowest free \
-         (cuMemGetInfo)\n{t}\n"
+         (cuMemGetInfo)\n{t}\n{}",
+        rs.first().map_or(String::new(), |r| format!(
+            "lower reference (shared/ANCHORS.md §1): {:.4} of live (every block best-fit in one \
+             range, each 2 MiB page held only while a live block touches it)\n",
+            r.lower_reference
+        ))
     )
 }
 
@@ -515,8 +529,13 @@ mod tests {
             sim_seconds: 0.1,
             baseline_free_bytes: 0,
             not_returned_bytes: 0,
+            lower_reference: 1.0125,
         };
         let s = render("t.pickle", &[r]);
+        assert!(
+            s.contains("lower reference (shared/ANCHORS.md §1): 1.0125 of live"),
+            "{s}"
+        );
         assert!(s.contains("+0.20%"), "{s}");
         assert!(s.contains("+0.39%"), "{s}");
         assert!(s.contains("NVIDIA H200"), "{s}");

@@ -430,11 +430,15 @@ fn replay_writes_every_block_and_returns_the_memory() {
         ..Trace::default()
     };
     let g = GpuReplay::open(&trace).expect("device");
+    let reference = gpumem_core::reference::lower_reference(&trace, 2 * MIB).ratio;
     for policy in PolicyKind::ALL {
         let r = g
             .run(&trace, policy, &Config::default(), false)
             .expect("replay");
         assert_eq!(r.ooms, 0);
+        // The trace's lower reference comes with every policy's figures.
+        assert_eq!(r.lower_reference, reference);
+        assert!(reference >= 1.0, "{reference}");
         assert_eq!(r.bytes_written, written, "{}", policy.name());
         assert!(r.gpu_peak_held_bytes >= r.peak_live_bytes, "{r:?}");
         // The driver hands out at least what gpumem holds, and not much more.
