@@ -30,6 +30,8 @@ pub struct LowerReference {
     pub ratio: f64,
     /// Highest address reached in the one range: how far best fit spread the blocks.
     pub range_bytes: u64,
+    /// Streams the trace allocates on (all placed in the one range).
+    pub streams: usize,
 }
 
 /// Free space of the one range: free blocks indexed by (size, address) for best fit and by
@@ -155,6 +157,7 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
     };
     // Trace address -> (placed address, placed size, requested size).
     let mut live: FxHashMap<u64, (u64, u64, u64)> = FxHashMap::default();
+    let mut streams: Vec<u64> = Vec::new();
     let mut peak_pages = 0u64;
     let (mut live_bytes, mut peak_live) = (0u64, 0u64);
     for e in &trace.events {
@@ -169,6 +172,9 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
         }
         // The replay leaves zero-byte allocations out (`Trace::warnings`); so does this.
         if e.kind == Kind::Alloc && e.size > 0 {
+            if !streams.contains(&e.stream) {
+                streams.push(e.stream);
+            }
             let size = e.size.div_ceil(ROUND) * ROUND;
             let addr = range.place(size);
             pages.touch(addr, size);
@@ -189,6 +195,7 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
             peak_page_bytes as f64 / peak_live as f64
         },
         range_bytes: range.top,
+        streams: streams.len(),
     }
 }
 
