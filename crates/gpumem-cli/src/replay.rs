@@ -194,7 +194,7 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         .transpose()?;
     let total = (trace.events.len() * policies.len()) as u64;
     let done = AtomicU64::new(0);
-    let results = std::thread::scope(|s| {
+    let (results, reference) = std::thread::scope(|s| {
         let bar = (!a.json && trace.events.len() > 200_000).then(|| {
             let b = ProgressBar::new(total);
             b.set_style(
@@ -221,7 +221,6 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         }
         (r, reference.join())
     });
-    let (results, reference) = results;
     let reference = reference.map_err(|_| "the lower reference's thread panicked".to_string())?;
     let mut ok = Vec::new();
     for (p, r) in policies.iter().zip(results) {

@@ -30,7 +30,7 @@ pub struct LowerReference {
     pub ratio: f64,
     /// Highest address reached in the one range: how far best fit spread the blocks.
     pub range_bytes: u64,
-    /// Streams the trace allocates on (all placed in the one range).
+    /// Streams that appear in the trace (all placed in the one range).
     pub streams: usize,
 }
 
@@ -52,8 +52,7 @@ impl Range {
     /// The smallest free block that fits `size` (lowest address among equals), else `top`.
     fn place(&mut self, size: u64) -> u64 {
         if let Some(&(s, a)) = self.by_size.range((size, 0)..).next() {
-            self.by_size.remove(&(s, a));
-            self.by_addr.remove(&a);
+            self.remove(a, s);
             if s > size {
                 self.insert(a + size, s - size);
             }
@@ -157,7 +156,6 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
     };
     // Trace address -> (placed address, placed size, requested size).
     let mut live: FxHashMap<u64, (u64, u64, u64)> = FxHashMap::default();
-    let mut streams: Vec<u64> = Vec::new();
     let mut peak_pages = 0u64;
     let (mut live_bytes, mut peak_live) = (0u64, 0u64);
     for e in &trace.events {
@@ -172,9 +170,6 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
         }
         // The replay leaves zero-byte allocations out (`Trace::warnings`); so does this.
         if e.kind == Kind::Alloc && e.size > 0 {
-            if !streams.contains(&e.stream) {
-                streams.push(e.stream);
-            }
             let size = e.size.div_ceil(ROUND) * ROUND;
             let addr = range.place(size);
             pages.touch(addr, size);
@@ -195,26 +190,17 @@ pub fn lower_reference(trace: &Trace, page_bytes: u64) -> LowerReference {
             peak_page_bytes as f64 / peak_live as f64
         },
         range_bytes: range.top,
-        streams: streams.len(),
+        streams: trace.streams().len(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::event as ev;
     use crate::trace::Event;
 
     const MIB: u64 = 1 << 20;
-
-    fn ev(kind: Kind, addr: u64, size: u64) -> Event {
-        Event {
-            kind,
-            stream: 0,
-            addr,
-            size,
-            time_us: 0,
-        }
-    }
 
     fn trace(events: Vec<Event>) -> Trace {
         Trace {

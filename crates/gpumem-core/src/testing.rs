@@ -5,6 +5,7 @@ use crate::backend::{Backend, DeviceInfo, DriverCall, EventHandle, PhysHandle, S
 use crate::engine::Allocator;
 use crate::error::BackendError;
 use crate::report::leaks::leak_report;
+use crate::trace::{Event, Kind};
 use std::path::PathBuf;
 
 /// Panics, with the leak report, if `alloc` still has live allocations: put it at the end of
@@ -15,6 +16,17 @@ pub fn assert_no_leaks(alloc: &Allocator) {
     let r = leak_report(alloc);
     if !r.is_empty() {
         panic!("gpumem: allocations leaked:\n{r}");
+    }
+}
+
+/// A trace event on stream 0 at time 0, for hand-built traces.
+pub fn event(kind: Kind, addr: u64, size: u64) -> Event {
+    Event {
+        kind,
+        stream: 0,
+        addr,
+        size,
+        time_us: 0,
     }
 }
 

@@ -572,8 +572,9 @@ fn segment_pools(snap: &Snapshot) -> FxHashMap<usize, Pool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::event as ev;
     use crate::trace::pickle::{SnapshotBlock, SnapshotSegment};
-    use crate::trace::{Event, Trace};
+    use crate::trace::Trace;
     use crate::units::MIB;
 
     #[test]
@@ -705,16 +706,6 @@ mod tests {
         let j = stats_json(&s);
         assert_eq!(j["stats"]["active_bytes"]["small_pool"]["current"], 4096);
         assert_eq!(j["flat"]["active_bytes.all.peak"], 4096);
-    }
-
-    fn ev(kind: Kind, addr: u64, size: u64) -> Event {
-        Event {
-            kind,
-            stream: 0,
-            addr,
-            size,
-            time_us: 0,
-        }
     }
 
     #[test]
