@@ -167,6 +167,47 @@ def test_record_stream_control_without_the_hint_reuses_the_block():
     assert not r["y_intact"], r
 
 
+SHARED_HANDOVER = """
+import json, torch, gpumem
+gpumem.torch.install(conf=CONF)
+n = 4 << 20                                # 16 MiB of float32
+a, b = torch.cuda.Stream(), torch.cuda.Stream()
+with torch.cuda.stream(b):
+    warm = torch.empty(1024, device="cuda")  # b uses the pool before the handover
+with torch.cuda.stream(a):
+    x = torch.empty(n, device="cuda")
+    x_ptr = x.data_ptr()
+    torch.cuda._sleep(1_000_000_000)       # keeps a busy for about half a second
+    x.fill_(1.0)                           # so this write lands late
+    a_busy = not a.query()
+    del x                                  # freed on its own stream: no record_stream needed
+with torch.cuda.stream(b):
+    y = torch.empty(n, device="cuda")      # same size, another stream
+    y.fill_(2.0)
+torch.cuda.synchronize()
+print(json.dumps({"same_block": y.data_ptr() == x_ptr, "y_intact": bool((y == 2.0).all().item()),
+                  "a_busy": a_busy, "errors": gpumem.torch.error_counts()}))
+"""
+
+
+def test_a_shared_range_hands_a_block_to_another_stream_behind_its_work():
+    # range:shared: a block freed on one stream may go to another at once, and that stream
+    # then waits (on the device) for the first one's queued work, so the late write to x lands
+    # before y's fill.
+    r = run_python(SHARED_HANDOVER.replace("CONF", repr("range:shared")))
+    if not r["a_busy"]:
+        pytest.skip(f"could not keep stream a busy, so the race cannot be shown: {r}")
+    assert r["same_block"], ("the shared range did not hand x's block to stream b", r)
+    assert r["y_intact"], ("stream b's fill ran before stream a's earlier write", r)
+
+
+def test_ranges_per_stream_never_hand_a_block_to_another_stream():
+    # The default, for contrast: each stream places its blocks in a range of its own.
+    r = run_python(SHARED_HANDOVER.replace("CONF", repr("")))
+    assert not r["same_block"], r
+    assert r["y_intact"], r
+
+
 def test_out_of_memory_is_torch_out_of_memory_error_and_the_process_survives():
     r = run_python(
         PRELUDE

@@ -10,6 +10,7 @@
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
+//! | `range` | stream, shared | stitched: one virtual range per stream (default), or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all) |
 //! | `trade_budget` | 0 < f ≤ 1, or `off` | stitched, several streams: share of the time that moving idle pages between streams may cost before the streams keep their own peaks instead (default 0.1) |
 //! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |
 //! | `leak_check` | 0/1 | track live allocations (for leak reports) |
@@ -187,6 +188,17 @@ impl Config {
                         }
                     }
                 }
+                "range" => {
+                    c.options.shared_range = match v {
+                        "stream" => false,
+                        "shared" => true,
+                        _ => {
+                            return Err(AllocError::Config(format!(
+                                "range:{v}: expected stream or shared"
+                            )))
+                        }
+                    }
+                }
                 "trade_budget" => c.options.trade_budget = share_or_off(k, v)?,
                 "remap_budget" => c.options.remap_budget = share_or_off(k, v)?,
                 "history" => {
@@ -210,7 +222,7 @@ impl Config {
                 _ => {
                     return Err(AllocError::Config(format!(
                         "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
-                         va_factor, stream_pages, trade_budget, remap_budget, history, leak_check, backtraces, \
+                         va_factor, stream_pages, range, trade_budget, remap_budget, history, leak_check, backtraces, \
                          costs)"
                     )))
                 }
@@ -272,6 +284,9 @@ mod tests {
             Config::parse("stream_pages:shared").unwrap(),
             Config::default()
         );
+        assert!(!Config::default().options.shared_range);
+        assert!(Config::parse("range:shared").unwrap().options.shared_range);
+        assert!(!Config::parse("range:stream").unwrap().options.shared_range);
         assert_eq!(Config::default().options.trade_budget, 0.1);
         assert_eq!(
             Config::parse("trade_budget:0.2")
@@ -332,6 +347,7 @@ mod tests {
             ("colour:blue", "unknown key 'colour'"),
             ("slack:-1", "slack"),
             ("stream_pages:mine", "expected shared or own"),
+            ("range:one", "expected stream or shared"),
             ("trade_budget:0", "trade_budget"),
             ("trade_budget:1.5", "trade_budget"),
             ("trade_budget:NaN", "trade_budget"),

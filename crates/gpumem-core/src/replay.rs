@@ -44,6 +44,10 @@ pub struct Fidelity {
 pub struct PolicyResult {
     /// Policy name.
     pub policy: String,
+    /// The stitched policy's virtual ranges: `stream` (one per stream, the default) or
+    /// `shared` (`range:shared`); none for the other policies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub range: Option<&'static str>,
     /// Peak bytes held from the device.
     pub peak_held_bytes: u64,
     /// Peak bytes of live requested tensors.
@@ -426,6 +430,11 @@ pub fn replay_on(
     });
     Ok(PolicyResult {
         policy: policy.name().to_string(),
+        range: (policy == PolicyKind::Stitched).then_some(if alloc.config().options.shared_range {
+            "shared"
+        } else {
+            "stream"
+        }),
         peak_held_bytes,
         peak_live_bytes,
         ratio: if peak_live_bytes == 0 {

@@ -66,14 +66,14 @@ fn overlaps(map: &BTreeMap<u64, u64>, start: u64, end: u64) -> Option<(u64, u64)
     None
 }
 
-fn run_sequence(policy: PolicyKind, ops: &[Op]) -> Result<(), TestCaseError> {
+fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestCaseError> {
     let (sim, ctl): (SimBackend, SimControl) = SimBackend::new(SimConfig {
         // A small device, so that out-of-memory and cache release are exercised too.
         total_bytes: 1 << 30,
         event_mode: EventMode::Manual,
         ..SimConfig::default()
     });
-    let cfg = Config::parse(&format!("policy:{}", policy.name())).unwrap();
+    let cfg = Config::parse(&format!("policy:{}{extra}", policy.name())).unwrap();
     let alloc = Allocator::new(Box::new(sim), cfg).unwrap();
     let mut m = Model {
         live: Vec::new(),
@@ -248,18 +248,24 @@ fn random_operations_keep_every_invariant() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2_000_000);
     let per_case = 4000;
-    let cases = (total / per_case / PolicyKind::ALL.len()).max(1) as u32;
-    for policy in PolicyKind::ALL {
+    // Every policy, and the stitched one with one range shared by the streams.
+    let runs: Vec<(PolicyKind, &str)> = PolicyKind::ALL
+        .into_iter()
+        .map(|p| (p, ""))
+        .chain([(PolicyKind::Stitched, ",range:shared")])
+        .collect();
+    let cases = (total / per_case / runs.len()).max(1) as u32;
+    for (policy, extra) in runs {
         let mut runner = TestRunner::new(PtConfig {
             cases,
             failure_persistence: None,
             ..PtConfig::default()
         });
         let r = runner.run(&prop::collection::vec(op_strategy(), per_case), |ops| {
-            run_sequence(policy, &ops)
+            run_sequence(policy, extra, &ops)
         });
         if let Err(e) = r {
-            panic!("{policy:?}: {e}");
+            panic!("{policy:?}{extra}: {e}");
         }
     }
 }

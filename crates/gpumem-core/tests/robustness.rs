@@ -232,10 +232,20 @@ fn prealloc_counts_each_driver_allocation() {
     assert_eq!(a.memory_stats().num_device_alloc, 1);
 }
 
+/// Every policy, and the stitched one with one range shared by the streams (`range:shared`),
+/// with the configuration to add to `policy:NAME`.
+fn policy_runs() -> Vec<(PolicyKind, &'static str)> {
+    PolicyKind::ALL
+        .into_iter()
+        .map(|p| (p, ""))
+        .chain([(PolicyKind::Stitched, ",range:shared")])
+        .collect()
+}
+
 #[test]
 fn every_policy_returns_everything_after_free_and_empty_cache() {
-    for p in PolicyKind::ALL {
-        let a = sim(&format!("policy:{}", p.name()));
+    for (p, extra) in policy_runs() {
+        let a = sim(&format!("policy:{}{extra}", p.name()));
         let mut v = Vec::new();
         for (i, s) in [512u64, 3 * MIB, 100 * MIB, 7, 2 * MIB, 30 * MIB, 1 << 30]
             .iter()
@@ -377,7 +387,7 @@ fn snapshot_agrees(a: &Allocator, p: PolicyKind) -> Result<(), String> {
 #[test]
 fn random_sequences_keep_stats_consistent() {
     let mut failures = Vec::new();
-    for p in PolicyKind::ALL {
+    for (p, extra) in policy_runs() {
         'seed: for seed in 1..=12u64 {
             let (sim, ctl) = SimBackend::new(SimConfig {
                 total_bytes: 1 << 30,
@@ -386,7 +396,7 @@ fn random_sequences_keep_stats_consistent() {
             });
             let a = Allocator::new(
                 Box::new(sim),
-                Config::parse(&format!("policy:{}", p.name())).unwrap(),
+                Config::parse(&format!("policy:{}{extra}", p.name())).unwrap(),
             )
             .unwrap();
             let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -439,7 +449,7 @@ fn random_sequences_keep_stats_consistent() {
                 if let Err(e) = stat_identities(&st).and_then(|_| snapshot_agrees(&a, p)) {
                     let tail: Vec<_> = log.iter().rev().take(6).rev().cloned().collect();
                     failures.push(format!(
-                        "{p:?} seed {seed} step {step}: {e}; last ops {tail:?}"
+                        "{p:?}{extra} seed {seed} step {step}: {e}; last ops {tail:?}"
                     ));
                     continue 'seed;
                 }

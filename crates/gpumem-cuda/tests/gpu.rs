@@ -168,8 +168,14 @@ fn every_policy_allocates_and_frees_a_random_mix() {
 #[ignore = "needs a CUDA GPU"]
 fn patterns_survive_their_neighbours() {
     let _gpu = exclusive();
-    for policy in PolicyKind::ALL {
-        let a = gpu(policy, "");
+    // Every policy, and the stitched one with one range shared by both streams, whose blocks
+    // then share pages.
+    let runs = PolicyKind::ALL
+        .into_iter()
+        .map(|p| (p, ""))
+        .chain([(PolicyKind::Stitched, "range:shared")]);
+    for (policy, conf) in runs {
+        let a = gpu(policy, conf);
         let streams = [
             a.context().new_stream().expect("stream"),
             a.context().new_stream().expect("stream"),
@@ -197,12 +203,12 @@ fn patterns_survive_their_neighbours() {
             }
             if step % 200 == 199 {
                 for (b, p) in &live {
-                    expect_pattern(b, *p, &format!("{} step {step}", policy.name()));
+                    expect_pattern(b, *p, &format!("{} {conf} step {step}", policy.name()));
                 }
             }
         }
         for (b, p) in &live {
-            expect_pattern(b, *p, &format!("{} at the end", policy.name()));
+            expect_pattern(b, *p, &format!("{} {conf} at the end", policy.name()));
         }
         a.engine().check().expect("invariants");
     }
@@ -592,6 +598,41 @@ fn streams_dropped_by_the_caller_stay_valid_for_the_allocator() {
         b2.ptr() != old || w == LATE,
         "the new stream got the block the dropped stream was still writing (read {w:#x})"
     );
+}
+
+/// In a shared range (`range:shared`), bytes one stream freed while its work on them was still
+/// queued go to another stream only behind that work: the second stream's write lands after
+/// the first one's late write, whether the bytes are a small block on a page others use or a
+/// block of whole pages.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_shared_range_hands_bytes_to_another_stream_behind_its_work() {
+    let _g = exclusive();
+    let a = gpu(PolicyKind::Stitched, "range:shared");
+    let s1 = a.context().new_stream().expect("stream");
+    let s2 = a.context().new_stream().expect("stream");
+    let busy = a.alloc(1 << 30, &s1).expect("busy");
+    for size in [64 << 10, 8 * MIB] {
+        // A neighbour on s2 first, so that s2 is a user of the range before the handover.
+        let neighbour = a.alloc(4096, &s2).expect("neighbour");
+        let buf = a.alloc(size, &s1).expect("alloc");
+        let old = buf.ptr();
+        keep_busy(&busy, s1.cu_stream());
+        memset32(buf.ptr(), EARLY, buf.len_bytes(), s1.cu_stream()); // lands ~100 ms later
+        drop(buf);
+        let b2 = a.alloc(size, &s2).expect("alloc on s2");
+        let overlap = b2.ptr() < old + size && old < b2.ptr() + b2.len_bytes();
+        assert!(overlap, "{size}: s2 did not get any of s1's bytes");
+        memset32(b2.ptr(), LATE, b2.len_bytes(), s2.cu_stream());
+        a.context().synchronize().expect("synchronize");
+        expect_pattern(
+            &b2,
+            LATE,
+            &format!("{size}: s2's block after s1's earlier write"),
+        );
+        drop((b2, neighbour));
+    }
+    a.engine().check().expect("invariants");
 }
 
 /// cudarc's contract for `device_ptr`: the stream waits for earlier writes to the memory.

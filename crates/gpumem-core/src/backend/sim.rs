@@ -72,7 +72,34 @@ struct EventState {
     done: FxHashMap<u64, bool>,
     recorded: Vec<(EventHandle, Stream)>,
     waits: Vec<(Stream, EventHandle)>,
+    /// Records, waits and host waits in the order they happened (kept only when the device
+    /// audits).
+    ops: Vec<EventOp>,
     next: u64,
+}
+
+/// An event operation, in the log a test audits (see [`SimControl::take_ops`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventOp {
+    /// `event` was recorded on `stream`.
+    Record {
+        /// The event.
+        event: EventHandle,
+        /// Its stream.
+        stream: Stream,
+    },
+    /// `stream` waits (on the device) for `event`.
+    Wait {
+        /// The waiting stream.
+        stream: Stream,
+        /// The event.
+        event: EventHandle,
+    },
+    /// The host waited for `event`, which has then completed.
+    Synchronize {
+        /// The event.
+        event: EventHandle,
+    },
 }
 
 type MappingMirror = Arc<Mutex<BTreeMap<DevPtr, (u64, PhysHandle)>>>;
@@ -115,6 +142,12 @@ impl SimControl {
     /// when the device audits, see [`SimConfig::audit`]).
     pub fn take_waits(&self) -> Vec<(Stream, EventHandle)> {
         std::mem::take(&mut self.events.lock().waits)
+    }
+
+    /// Event records, stream waits and host waits since the last call, in the order they
+    /// happened (kept only when the device audits, see [`SimConfig::audit`]).
+    pub fn take_ops(&self) -> Vec<EventOp> {
+        std::mem::take(&mut self.events.lock().ops)
     }
 
     /// Events recorded and not yet completed.
@@ -451,6 +484,9 @@ impl Backend for SimBackend {
         let done = self.cfg.event_mode == EventMode::Immediate;
         ev.done.insert(h.0, done);
         ev.recorded.push((h, stream));
+        if self.cfg.audit {
+            ev.ops.push(EventOp::Record { event: h, stream });
+        }
         Ok(h)
     }
 
@@ -465,9 +501,13 @@ impl Backend for SimBackend {
 
     fn event_synchronize(&mut self, event: EventHandle) -> Result<(), BackendError> {
         // The host waits until the device has finished: the event is then complete.
-        match self.events.lock().done.get_mut(&event.0) {
+        let mut ev = self.events.lock();
+        match ev.done.get_mut(&event.0) {
             Some(d) => {
                 *d = true;
+                if self.cfg.audit {
+                    ev.ops.push(EventOp::Synchronize { event });
+                }
                 Ok(())
             }
             None => Err(BackendError::new(
@@ -490,6 +530,7 @@ impl Backend for SimBackend {
         if ev.done.contains_key(&event.0) {
             if self.cfg.audit {
                 ev.waits.push((stream, event));
+                ev.ops.push(EventOp::Wait { stream, event });
             }
             Ok(())
         } else {

@@ -343,6 +343,11 @@ impl BlockSet {
         self.live.get(&addr).copied()
     }
 
+    /// Addresses of the live (allocated or pending) blocks, in no order.
+    pub fn live_addrs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.live.keys().copied()
+    }
+
     /// Number of live blocks.
     pub fn live_count(&self) -> usize {
         self.live.len()

@@ -61,6 +61,7 @@ pub mod buddy;
 pub mod expandable;
 pub mod free_index;
 pub mod segmented;
+pub mod shared_range;
 pub mod stitched;
 
 use crate::backend::{DevPtr, DeviceInfo, Stream};
@@ -289,6 +290,11 @@ pub struct PolicyOptions {
     /// independently; more memory when streams peak at different times (up to twice the
     /// live peak with two streams that take turns).
     pub own_stream_peaks: bool,
+    /// Stitched: one virtual range shared by the device's streams instead of one per stream
+    /// (see [`shared_range`]). Blocks and pages a stream freed go to another stream through
+    /// an event of the first that the second waits for on the device, so streams share pages
+    /// for their small blocks; placement takes one lock for all streams.
+    pub shared_range: bool,
     /// Stitched, with several streams: the share of the time that moving idle pages from one
     /// stream to another may take. Once the driver time of the slow paths that took pages
     /// from other streams exceeds it over a window of at least [`TRADE_WINDOW_US`], the
@@ -327,6 +333,7 @@ impl Default for PolicyOptions {
             slack: 0.0,
             va_factor: 2,
             own_stream_peaks: false,
+            shared_range: false,
             trade_budget: 0.1,
             remap_budget: 0.2,
         }
@@ -357,7 +364,14 @@ impl PolicyFactory {
                 let shared = Arc::new(stitched::PagePool::new(info, opts));
                 pages = Some(shared.clone());
                 let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
-                Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
+                if opts.shared_range {
+                    let core = Arc::new(parking_lot::Mutex::new(shared_range::SharedCore::new(
+                        shared, va,
+                    )));
+                    Box::new(move |s| Box::new(shared_range::SharedStitched::new(s, core.clone())))
+                } else {
+                    Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
+                }
             }
         };
         Self { kind, make, pages }

@@ -37,6 +37,7 @@
 
 use super::blocks::{BlockSet, State, NIL};
 use super::segmented::round_size;
+use super::shared_range::{StreamClocks, Wait};
 use super::{
     Placement, Policy, PolicyOptions, SegmentInfo, REMAP_SLACK_MAX, REMAP_WINDOWS_IN_A_ROW,
     TRADE_WINDOW_US,
@@ -51,6 +52,25 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 const NONE: u32 = u32::MAX;
+
+/// Whose earlier work a slow path waits for before it moves a page.
+pub(crate) enum Order<'a> {
+    /// A range per stream: the shard's own stream (its events, kept in its page list).
+    Own,
+    /// One range shared by several streams (`range:shared`): every stream that freed
+    /// something there, through `clocks`; `me` is the stream allocating.
+    Shared {
+        /// Every stream's events.
+        clocks: &'a mut StreamClocks,
+        /// The allocating stream's index in `clocks`.
+        me: u32,
+        /// Virtual pages that got a physical page last used through another virtual page:
+        /// the allocating stream has waited for its last users, and other streams' blocks
+        /// placed on it later must wait for the allocating stream (see
+        /// `SharedCore::allocate`).
+        moved_in: &'a mut Vec<u32>,
+    },
+}
 
 /// Largest block the quick cache keeps (smaller blocks share their pages with neighbours, so
 /// keeping them counted on their pages while cached costs next to no memory).
@@ -85,6 +105,9 @@ struct Local {
     idle_unmarked: bool,
     /// Slot -> this stream took the page from another stream (which may still map it).
     foreign: Vec<bool>,
+    /// Slot -> the virtual page it last went idle from (a shared range's blocks of other
+    /// streams may have used it through another alias than the one it is taken back at).
+    via: Vec<u32>,
     /// Another stream had to wait for all this stream's queued work to take a page from it:
     /// record marks (see `PagePool::mark`).
     marks_wanted: bool,
@@ -105,6 +128,9 @@ impl Local {
         let slot = self.map[v as usize];
         if slot != NONE && self.idle.remove(slot) {
             scratch.fast.push(slot);
+            if self.via[slot as usize] != v {
+                scratch.moved.push((slot, v));
+            }
         } else {
             scratch.need.push(v);
         }
@@ -117,6 +143,7 @@ impl Local {
         let slot = self.map[v as usize];
         debug_assert!(slot != NONE, "released page was mapped");
         self.stamp[slot as usize] = epoch;
+        self.via[slot as usize] = v;
         self.idle.push_back(slot);
         self.idle_unmarked |= self.foreign[slot as usize];
     }
@@ -127,6 +154,7 @@ impl Local {
         if self.stamp.len() < n {
             self.stamp.resize(n, u64::MAX);
             self.foreign.resize(n, false);
+            self.via.resize(n, NONE);
             self.idle.fit(n);
         }
     }
@@ -395,6 +423,7 @@ impl PagePool {
             events: std::collections::VecDeque::new(),
             idle_unmarked: false,
             foreign: Vec::new(),
+            via: Vec::new(),
             marks_wanted: false,
         };
         local.fit_slots(p.phys.len());
@@ -424,15 +453,40 @@ impl PagePool {
         mut l: MutexGuard<'_, Local>,
         dev: &Device,
         scratch: &ClaimScratch,
+        order: &mut Order,
     ) -> Result<(), BackendError> {
-        let ClaimScratch { need, fast } = scratch;
+        let ClaimScratch { need, fast, moved } = scratch;
+        if let Order::Shared {
+            clocks,
+            me: acting,
+            moved_in,
+        } = order
+        {
+            if !moved.is_empty() {
+                // Taken back through another virtual page than the one it went idle from: the
+                // bytes' last users, of any stream, are not found by the block's address.
+                let since = moved.iter().map(|&(s, _)| l.stamp[s as usize]).max();
+                let to = Wait::Device(clocks.stream(*acting));
+                let settled = since.map_or(Ok(()), |since| {
+                    let mut d = dev.lock();
+                    clocks.settle_all(&mut d, self, since, to, Some(*acting))
+                });
+                if let Err(e) = settled {
+                    for &slot in fast.iter() {
+                        l.idle.push_front(slot);
+                    }
+                    return Err(e);
+                }
+                moved_in.extend(moved.iter().map(|&(_, v)| v));
+            }
+        }
         l.busy += fast.len() as u64;
         if need.is_empty() {
             l.peak_busy = l.peak_busy.max(l.busy);
             return Ok(());
         }
         drop(l);
-        let result = self.claim_slow(me, need, dev);
+        let result = self.claim_slow(me, need, dev, order);
         let mut l = mine.local.lock();
         match result {
             Ok(()) => {
@@ -455,7 +509,13 @@ impl PagePool {
     /// so that the fast paths it is called from keep their registers.
     #[cold]
     #[inline(never)]
-    fn claim_slow(&self, me: u32, need: &[u32], dev: &Device) -> Result<(), BackendError> {
+    fn claim_slow(
+        &self,
+        me: u32,
+        need: &[u32],
+        dev: &Device,
+        order: &mut Order,
+    ) -> Result<(), BackendError> {
         let mut p = self.inner.lock();
         let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         let shards = p.shards.clone();
@@ -558,6 +618,34 @@ impl PagePool {
             }
         }
         let traded = !others.is_empty();
+        if let Order::Shared {
+            clocks,
+            me: acting,
+            moved_in,
+        } = order
+        {
+            // In a shared range a page taken from the idle list was last used, through
+            // whichever virtual page, by any of the streams: the allocating stream waits (on
+            // the device) for each other stream's work up to when the page went idle.
+            let since = taken
+                .iter()
+                .map(|&(s, o)| all.guards[o as usize].stamp[s as usize])
+                .filter(|&t| t != u64::MAX)
+                .max();
+            if let Some(since) = since {
+                let to = Wait::Device(clocks.stream(*acting));
+                if let Err(e) = clocks.settle_all(&mut d, self, since, to, Some(*acting)) {
+                    Self::undo(&mut p, &mut all, &taken, &created, &mut d);
+                    return Err(e);
+                }
+            }
+            moved_in.extend(
+                picked
+                    .iter()
+                    .filter(|&&(_, s)| !created.contains(&s))
+                    .map(|&(v, _)| v),
+            );
+        }
         let mut mapped: Vec<u32> = Vec::new();
         let connected = self.connect(
             &mut p,
@@ -568,6 +656,7 @@ impl PagePool {
             &picked,
             &mut others,
             &mut mapped,
+            order,
         );
         if let Err(e) = connected {
             // The driver refused a call part-way. What it did is already in the page tables
@@ -710,6 +799,7 @@ impl PagePool {
         picked: &[(u32, u32)],
         others: &mut [(u32, u64)],
         mapped: &mut Vec<u32>,
+        order: &mut Order,
     ) -> Result<(), BackendError> {
         let m = me as usize;
         let base = p.shards[m].base;
@@ -734,19 +824,25 @@ impl PagePool {
                 })
                 .max()
                 .unwrap_or(u64::MAX);
-            let covering = all.guards[m].covering_event(idle_since);
-            match covering {
-                Some(ev) => {
-                    if !d.event_query(ev)? {
-                        d.event_synchronize(ev)?;
+            match order {
+                // In a shared range, every stream that freed blocks there before the pages
+                // went idle.
+                Order::Shared { clocks, .. } => {
+                    clocks.settle_all(d, self, idle_since, Wait::Host, None)?
+                }
+                Order::Own => match all.guards[m].covering_event(idle_since) {
+                    Some(ev) => {
+                        if !d.event_query(ev)? {
+                            d.event_synchronize(ev)?;
+                        }
                     }
-                }
-                None => {
-                    let ev = d.event_record(p.shards[m].stream)?;
-                    let waited = d.event_synchronize(ev);
-                    d.event_destroy(ev);
-                    waited?;
-                }
+                    None => {
+                        let ev = d.event_record(p.shards[m].stream)?;
+                        let waited = d.event_synchronize(ev);
+                        d.event_destroy(ev);
+                        waited?;
+                    }
+                },
             }
             let mut sorted = stale;
             sorted.sort_unstable();
@@ -814,8 +910,14 @@ impl PagePool {
         }
         // Mark this point of the stream's work for later remaps (see above). Best effort, as
         // in `mark`: without it a later remap waits for a fresh event instead.
-        if let Ok(ev) = d.event_record(stream) {
-            Self::push_event(&mut all.guards[m], epoch, ev, d);
+        match order {
+            Order::Own => {
+                if let Ok(ev) = d.event_record(stream) {
+                    Self::push_event(&mut all.guards[m], epoch, ev, d);
+                }
+            }
+            // A new epoch: events made by this slow path's waits took later ones.
+            Order::Shared { clocks, me, .. } => clocks.mark(d, *me, self.next_epoch()),
         }
         Ok(())
     }
@@ -876,8 +978,14 @@ impl PagePool {
     /// list, and they are ordered against its frees by the engine's lock on the stream, so the
     /// stamp is never older than an event recorded before the pages went idle.
     #[inline]
-    fn epoch_now(&self) -> u64 {
+    pub(crate) fn epoch_now(&self) -> u64 {
         self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// A new epoch, for an event about to be recorded: later than every page stamped idle
+    /// so far.
+    pub(crate) fn next_epoch(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Shard `mine`'s list `l` let `n` pages go idle ([`Local::let_go`]); no shared state is
@@ -1153,6 +1261,9 @@ fn runs(sorted: &[u32]) -> Vec<(u32, u32)> {
 struct ClaimScratch {
     need: Vec<u32>,
     fast: Vec<u32>,
+    /// Of `fast`, the pages taken back at another virtual page than they went idle from,
+    /// with that virtual page.
+    moved: Vec<(u32, u32)>,
 }
 
 /// The stitched policy for one stream.
@@ -1171,6 +1282,9 @@ pub struct Stitched {
     /// Pages went idle that call for a mark (see [`PagePool::mark`]): recorded once the free
     /// is done, without taking the stream's page lock again on frees that need none.
     mark_due: bool,
+    /// Place a block smaller than a page at the high end of its free block when that touches
+    /// fewer untouched pages than the low end (see [`Stitched::page_aware`]).
+    page_aware: bool,
 }
 
 impl Stitched {
@@ -1190,7 +1304,36 @@ impl Stitched {
             touch: Vec::new(),
             scratch: ClaimScratch::default(),
             mark_due: false,
+            page_aware: false,
         }
+    }
+
+    /// Places a block smaller than a page at the high end of its best-fit free block when
+    /// that touches fewer pages no block touches yet than the low end would. The shared range
+    /// does, as its streams' small blocks mix: the server trace holds 1.0325 of live without
+    /// it, 1.0191 with it, and 1.0298 when it starts only once a second stream comes (the
+    /// model's small tensors, placed by the first stream, then sit on pages of their own).
+    pub(crate) fn page_aware(mut self) -> Self {
+        self.page_aware = true;
+        self
+    }
+
+    /// Addresses of the live (allocated or pending) blocks.
+    pub(crate) fn live_addrs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.set.live_addrs()
+    }
+
+    /// The addresses of virtual page `v`.
+    pub(crate) fn page_span(&self, v: u32) -> (u64, u64) {
+        let start = self.base + ((v as u64) << self.shift);
+        (start, start + (1u64 << self.shift))
+    }
+
+    /// Pages of `[addr, addr + size)` that no block touches.
+    fn untouched(&self, addr: u64, size: u64) -> usize {
+        self.page_range(addr, size)
+            .filter(|&v| self.touch[v] == 0)
+            .count()
     }
 
     /// The shared page pool's counters.
@@ -1263,7 +1406,13 @@ impl Stitched {
 
     /// A block now covers `[addr, addr + size)`: count it on its pages and claim a physical
     /// page for each page it is the first to touch. On failure nothing changes.
-    fn touch_pages(&mut self, addr: u64, size: u64, dev: &Device) -> Result<(), BackendError> {
+    fn touch_pages(
+        &mut self,
+        addr: u64,
+        size: u64,
+        dev: &Device,
+        order: &mut Order,
+    ) -> Result<(), BackendError> {
         let range = self.page_range(addr, size);
         let sp = self
             .pages
@@ -1272,6 +1421,7 @@ impl Stitched {
         let scratch = &mut self.scratch;
         scratch.need.clear();
         scratch.fast.clear();
+        scratch.moved.clear();
         // The stream's page list is locked at the first page this block is the first to touch
         // (none: no lock at all), and pages are taken back as they are counted.
         let mut local: Option<MutexGuard<'_, Local>> = None;
@@ -1287,7 +1437,7 @@ impl Stitched {
         let Some(l) = local else {
             return Ok(());
         };
-        let claimed = self.pool.claim(self.shard, sp, l, dev, scratch);
+        let claimed = self.pool.claim(self.shard, sp, l, dev, scratch, order);
         if claimed.is_err() {
             for v in range {
                 self.touch[v] -= 1;
@@ -1332,49 +1482,7 @@ impl Policy for Stitched {
     }
 
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
-        if self.shard == NONE {
-            self.init(dev)?;
-        }
-        let rounded = round_size(size);
-        let pool = Pool::of(rounded);
-        // Same size as a block in the quick cache: its pages are still counted as touched.
-        if let Some(id) = self.set.find_cached(rounded, Pool::Large) {
-            let id = self.set.take_cached(id, size, pool);
-            let b = self.set.block(id);
-            return Ok(Placement {
-                addr: b.addr,
-                size: b.size,
-                handle: id,
-            });
-        }
-        let mut found = self.set.best_fit(Pool::Large, rounded);
-        let at_frontier = found.is_some_and(|id| self.set.block(id).next == NIL);
-        if at_frontier && self.set.has_cached() {
-            // Before growing into fresh address space, merge the cached blocks back:
-            // together they may fit.
-            for (a, s) in self.set.flush_cache() {
-                self.untouch_pages(a, s);
-            }
-            found = self.set.best_fit(Pool::Large, rounded);
-        }
-        let id = found.ok_or_else(|| {
-            BackendError::oom(
-                DriverCall::AddressReserve,
-                format!(
-                    "the stream's virtual range of {} bytes has no free run of {rounded} bytes",
-                    self.va_bytes
-                ),
-            )
-        })?;
-        let addr = self.set.block(id).addr;
-        self.touch_pages(addr, rounded, dev)?;
-        let split = self.set.block(id).size - rounded >= MIN_BLOCK;
-        let id = self.set.allocate(id, rounded, size, pool, split);
-        Ok(Placement {
-            addr,
-            size: self.set.block(id).size,
-            handle: id,
-        })
+        self.allocate_in(size, dev, &mut Order::Own)
     }
 
     fn release(&mut self, addr: DevPtr, dev: &Device) -> Result<(), BackendError> {
@@ -1425,5 +1533,79 @@ impl Policy for Stitched {
             return Ok(());
         }
         self.pool.check(self.shard, &self.touch)
+    }
+}
+
+impl Stitched {
+    /// [`Policy::allocate`], with `order` saying whose work a page move waits for.
+    pub(crate) fn allocate_in(
+        &mut self,
+        size: u64,
+        dev: &Device,
+        order: &mut Order,
+    ) -> Result<Placement, BackendError> {
+        if self.shard == NONE {
+            self.init(dev)?;
+        }
+        let rounded = round_size(size);
+        let pool = Pool::of(rounded);
+        // Same size as a block in the quick cache: its pages are still counted as touched.
+        if let Some(id) = self.set.find_cached(rounded, Pool::Large) {
+            let id = self.set.take_cached(id, size, pool);
+            let b = self.set.block(id);
+            return Ok(Placement {
+                addr: b.addr,
+                size: b.size,
+                handle: id,
+            });
+        }
+        let mut found = self.set.best_fit(Pool::Large, rounded);
+        let at_frontier = found.is_some_and(|id| self.set.block(id).next == NIL);
+        if at_frontier && self.set.has_cached() {
+            // Before growing into fresh address space, merge the cached blocks back:
+            // together they may fit.
+            for (a, s) in self.set.flush_cache() {
+                self.untouch_pages(a, s);
+            }
+            found = self.set.best_fit(Pool::Large, rounded);
+        }
+        let id = found.ok_or_else(|| {
+            BackendError::oom(
+                DriverCall::AddressReserve,
+                format!(
+                    "the stream's virtual range of {} bytes has no free run of {rounded} bytes",
+                    self.va_bytes
+                ),
+            )
+        })?;
+        let (mut addr, free_size) = {
+            let b = self.set.block(id);
+            (b.addr, b.size)
+        };
+        let mut high = false;
+        if self.page_aware && rounded < self.pool.page && free_size - rounded >= MIN_BLOCK {
+            let top = addr + free_size == self.base + self.va_bytes;
+            let hi = addr + free_size - rounded;
+            if !top && self.untouched(hi, rounded) < self.untouched(addr, rounded) {
+                addr = hi;
+                high = true;
+            }
+        }
+        self.touch_pages(addr, rounded, dev, order)?;
+        let id = if high {
+            // The free block's head stays free; its tail is handed out whole.
+            self.set.detach(id);
+            let tail = self.set.split_off(id, free_size - rounded);
+            self.set.attach(id);
+            self.set.allocate(tail, rounded, size, pool, false)
+        } else {
+            let split = free_size - rounded >= MIN_BLOCK;
+            self.set.allocate(id, rounded, size, pool, split)
+        };
+        Ok(Placement {
+            addr,
+            size: self.set.block(id).size,
+            handle: id,
+        })
     }
 }

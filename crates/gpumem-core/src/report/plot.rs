@@ -357,6 +357,7 @@ mod tests {
     fn result(policy: &str, pts: &[(u64, u64, u64)]) -> PolicyResult {
         PolicyResult {
             policy: policy.into(),
+            range: None,
             peak_held_bytes: pts.iter().map(|p| p.1).max().unwrap_or(0),
             peak_live_bytes: pts.iter().map(|p| p.2).max().unwrap_or(0),
             ratio: 1.0,

@@ -78,12 +78,14 @@ pub fn render(
         }
     }
     if let (Some(refr), Some(st)) = (reference, results.iter().find(|r| r.policy == "stitched")) {
-        if refr.streams >= 2 && st.ratio - refr.ratio > REFERENCE_GAP_HINT {
+        let per_stream = st.range != Some("shared");
+        if per_stream && refr.streams >= 2 && st.ratio - refr.ratio > REFERENCE_GAP_HINT {
             out.push_str(&format!(
                 "stitched holds {:.4} of live, {:.4} above the lower reference: each of the \
                  trace's {} streams places its blocks in a virtual range of its own, so blocks of \
                  different streams never share a page, where the reference puts them all in one \
-                 range (docs/stitched.md, \"Several threads, each on its own stream\").\n",
+                 range. Add `--conf range:shared` to place them in one range shared by the \
+                 streams (docs/stitched.md, \"Several threads, each on its own stream\").\n",
                 st.ratio,
                 st.ratio - refr.ratio,
                 refr.streams
@@ -126,6 +128,7 @@ mod tests {
     fn result(policy: &str, last_quarter: u64) -> PolicyResult {
         PolicyResult {
             policy: policy.into(),
+            range: None,
             peak_held_bytes: 2 << 30,
             peak_live_bytes: 2 << 30,
             ratio: 1.0,
@@ -184,6 +187,12 @@ mod tests {
             out.contains("stitched holds 1.0512 of live, 0.0240 above the lower reference: each of the trace's 5 streams"),
             "{out}"
         );
+        assert!(out.contains("--conf range:shared"), "{out}");
+        // Already in a shared range: the line would be wrong.
+        let mut shared = st.clone();
+        shared.range = Some("shared");
+        let out = render("t", 10, &[shared], Some(&reference(5)));
+        assert!(!out.contains("above the lower reference"), "{out}");
         // One stream: the gap is not the ranges'; close to the reference: nothing to explain.
         let one = render("t", 10, &[st.clone()], Some(&reference(1)));
         assert!(!one.contains("above the lower reference"), "{one}");

@@ -1,0 +1,484 @@
+//! Stream order in the stitched policy's shared range (`range:shared`), audited byte by byte
+//! on the simulated device's real mappings.
+//!
+//! In a shared range, blocks of several streams sit on one physical page, so the page-level
+//! audit of `stitched_streams.rs` (one stream per page at a time) does not apply. Instead,
+//! every block's bytes are looked up in the simulated device's mapping table (which physical
+//! page, at which offset), and the audit checks:
+//! - no physical byte is in two live blocks at once;
+//! - a physical byte last freed by another stream is used again only once that stream's work
+//!   up to the free is ordered before the new use: the new stream has waited (on the device,
+//!   in this call or earlier) for an event recorded after the free, on the old stream or on
+//!   a stream that had itself waited for the old one (the audit keeps a vector clock per
+//!   stream), or the host has waited for such an event (or the test completed it).
+//!
+//! Events never complete by themselves here (`EventMode::Manual`), so every handover the
+//! policy makes must come with a wait.
+
+use gpumem_core::backend::sim::{EventMode, EventOp, SimBackend, SimConfig, SimControl};
+use gpumem_core::backend::{EventHandle, PhysHandle, Stream};
+use gpumem_core::trace::{self, Kind};
+use gpumem_core::{Allocation, Allocator, Config};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+const PAGE: u64 = 2 << 20;
+const SHARED: &str = "policy:stitched,range:shared";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Use {
+    Live,
+    /// Freed (reusable by its stream) in this call.
+    Freed(u64),
+}
+
+/// Bytes `[lo, hi)` of a physical page and who had them last.
+#[derive(Clone, Copy, Debug)]
+struct Rec {
+    lo: u64,
+    hi: u64,
+    stream: Stream,
+    state: Use,
+    /// Virtual address of the page the bytes were used through.
+    va: u64,
+}
+
+/// A block's bytes on one physical page.
+#[derive(Clone, Copy)]
+struct Piece {
+    h: PhysHandle,
+    lo: u64,
+    hi: u64,
+    va: u64,
+}
+
+struct ByteAudit {
+    alloc: Allocator,
+    ctl: SimControl,
+    /// Physical page -> disjoint records of its bytes.
+    phys: HashMap<PhysHandle, Vec<Rec>>,
+    /// Live block -> its pieces (as mapped when it was allocated).
+    pieces: HashMap<u64, Vec<Piece>>,
+    /// Event -> the clock of its stream when it was recorded.
+    events: HashMap<EventHandle, Clock>,
+    /// Stream -> its vector clock: for each stream, the latest call whose work on that stream
+    /// comes before this stream's work from now on.
+    clocks: HashMap<Stream, Clock>,
+    /// The same for work the host knows is done (it waited for an event, or the test
+    /// completed one).
+    done: Clock,
+    calls: u64,
+    /// Bytes used again by another stream than the one that freed them (counted per piece).
+    handovers: usize,
+    /// Physical pages on which blocks of two streams were live at once.
+    mixed_pages: usize,
+}
+
+impl ByteAudit {
+    fn new(conf: &str, total: u64) -> ByteAudit {
+        let (sim, ctl) = SimBackend::new(SimConfig {
+            total_bytes: total,
+            event_mode: EventMode::Manual,
+            audit: true,
+            ..SimConfig::default()
+        });
+        let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
+        ByteAudit {
+            alloc,
+            ctl,
+            phys: HashMap::new(),
+            pieces: HashMap::new(),
+            events: HashMap::new(),
+            clocks: HashMap::new(),
+            done: Clock::new(),
+            calls: 0,
+            handovers: 0,
+            mixed_pages: 0,
+        }
+    }
+
+    /// Follows the event records and waits since the last call, in order, as made in the
+    /// call just made.
+    fn log_events(&mut self) {
+        self.ctl.take_recorded();
+        self.ctl.take_waits();
+        for op in self.ctl.take_ops() {
+            match op {
+                EventOp::Record { event, stream } => {
+                    let mut c = self.clocks.get(&stream).cloned().unwrap_or_default();
+                    c.insert(stream, self.calls);
+                    self.events.insert(event, c);
+                }
+                EventOp::Wait { stream, event } => {
+                    let c = self.events[&event].clone();
+                    join(self.clocks.entry(stream).or_default(), &c);
+                }
+                EventOp::Synchronize { event } => self.note_completed(event),
+            }
+        }
+    }
+
+    fn note_completed(&mut self, ev: EventHandle) {
+        if let Some(c) = self.events.get(&ev) {
+            join(&mut self.done, c);
+        }
+    }
+
+    /// Whether `stream`'s work from now on comes after `old`'s work of call `at`.
+    fn ordered(&self, stream: Stream, old: Stream, at: u64) -> bool {
+        let after = |c: &Clock| c.get(&old).is_some_and(|&k| k > at);
+        self.clocks.get(&stream).is_some_and(after) || after(&self.done)
+    }
+
+    fn pieces_of(&self, a: &Allocation) -> Vec<Piece> {
+        let end = a.ptr + a.size;
+        let mut out = Vec::new();
+        let mut page = a.ptr / PAGE * PAGE;
+        while page < end {
+            let h = self
+                .ctl
+                .handle_at(page)
+                .unwrap_or_else(|| panic!("page {page:#x} of a live block is not mapped"));
+            let lo = a.ptr.max(page) - page;
+            let hi = end.min(page + PAGE) - page;
+            out.push(Piece {
+                h,
+                lo,
+                hi,
+                va: page,
+            });
+            page += PAGE;
+        }
+        out
+    }
+
+    fn allocate(&mut self, size: u64, stream: Stream) -> Allocation {
+        self.log_events();
+        self.calls += 1;
+        let a = self.alloc.allocate(size, stream).unwrap();
+        self.log_events();
+        let pieces = self.pieces_of(&a);
+        for p in &pieces {
+            let mut recs = self.phys.remove(&p.h).unwrap_or_default();
+            let mut kept = Vec::with_capacity(recs.len() + 2);
+            let mut mixed = false;
+            for r in recs.drain(..) {
+                if r.hi <= p.lo || r.lo >= p.hi {
+                    mixed |= r.state == Use::Live && r.stream != stream;
+                    kept.push(r);
+                    continue;
+                }
+                match r.state {
+                    Use::Live => panic!(
+                        "bytes {:#x}..{:#x} of a physical page are in two live blocks (streams \
+                         {:#x} and {stream:#x})",
+                        r.lo.max(p.lo),
+                        r.hi.min(p.hi),
+                        r.stream
+                    ),
+                    Use::Freed(at) if r.stream != stream => {
+                        assert!(
+                            self.ordered(stream, r.stream, at),
+                            "bytes stream {:#x} freed in call {at} went to stream {stream:#x} \
+                             in call {} with no event ordering them (page {:#x}, then {:#x}, bytes {:#x}..{:#x} of {:#x}..{:#x})",
+                            r.stream,
+                            self.calls, r.va, p.va, r.lo, r.hi, p.lo, p.hi
+                        );
+                        self.handovers += 1;
+                    }
+                    Use::Freed(_) => {}
+                }
+                // Keep the parts outside the new block.
+                if r.lo < p.lo {
+                    kept.push(Rec { hi: p.lo, ..r });
+                }
+                if r.hi > p.hi {
+                    kept.push(Rec { lo: p.hi, ..r });
+                }
+            }
+            kept.push(Rec {
+                lo: p.lo,
+                hi: p.hi,
+                stream,
+                state: Use::Live,
+                va: p.va,
+            });
+            self.phys.insert(p.h, kept);
+            if mixed {
+                self.mixed_pages += 1;
+            }
+        }
+        self.pieces.insert(a.ptr, pieces);
+        a
+    }
+
+    /// The block's bytes become reusable by its stream in the current call.
+    fn released(&mut self, a: &Allocation) {
+        let pieces = self.pieces.remove(&a.ptr).expect("a live block");
+        for p in pieces {
+            let recs = self.phys.get_mut(&p.h).expect("page in use");
+            let r = recs
+                .iter_mut()
+                .find(|r| r.lo == p.lo && r.hi == p.hi && r.state == Use::Live)
+                .expect("the block's record");
+            r.state = Use::Freed(self.calls);
+        }
+    }
+
+    /// Frees `a`; with `used_on`, after a use on that stream: the events the free recorded
+    /// are returned, and the bytes stay live until [`ByteAudit::complete`].
+    fn free(&mut self, a: &Allocation, used_on: Option<Stream>) -> Vec<EventHandle> {
+        self.log_events();
+        self.calls += 1;
+        match used_on {
+            None => {
+                self.released(a);
+                self.alloc.free_allocation(a).unwrap();
+                // Events recorded by the free itself count as recorded after it.
+                self.calls += 1;
+                self.log_events();
+                Vec::new()
+            }
+            Some(s) => {
+                self.alloc.record_stream(a.ptr, s).unwrap();
+                self.alloc.free_allocation(a).unwrap();
+                self.ctl
+                    .take_recorded()
+                    .into_iter()
+                    .map(|(e, _)| e)
+                    .collect()
+            }
+        }
+    }
+
+    fn complete(&mut self, a: &Allocation, events: Vec<EventHandle>) {
+        self.log_events();
+        for e in events {
+            self.ctl.complete(e);
+            self.note_completed(e);
+        }
+        self.calls += 1;
+        self.released(a);
+        self.alloc.process_events().unwrap();
+        self.calls += 1;
+        self.log_events();
+    }
+}
+
+/// Stream -> a call of it.
+type Clock = HashMap<Stream, u64>;
+
+/// `into` becomes the later of itself and `other`, stream by stream.
+fn join(into: &mut Clock, other: &Clock) {
+    for (&s, &k) in other {
+        let e = into.entry(s).or_insert(0);
+        *e = (*e).max(k);
+    }
+}
+
+const S1: Stream = 0x7f00_0000_1000;
+const S2: Stream = 0x7f00_0000_2000;
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn small_blocks_of_two_streams_share_a_page() {
+    let held = |conf: &str| {
+        let mut t = ByteAudit::new(conf, 1 << 30);
+        let a = t.allocate(64 << 10, S1);
+        let b = t.allocate(64 << 10, S2);
+        let held = t.alloc.held_bytes();
+        t.free(&a, None);
+        t.free(&b, None);
+        t.alloc.check().unwrap();
+        (held, t.mixed_pages)
+    };
+    assert_eq!(held(SHARED), (PAGE, 1), "one page for both streams' blocks");
+    assert_eq!(
+        held("policy:stitched"),
+        (2 * PAGE, 0),
+        "a page per stream's range by default"
+    );
+}
+
+#[test]
+fn bytes_another_stream_freed_are_reused_only_after_its_event() {
+    let mut t = ByteAudit::new(&format!("{SHARED},slack:0"), 1 << 30);
+    let a = t.allocate(8 * MIB, S1);
+    t.free(&a, None);
+    let b = t.allocate(8 * MIB, S2);
+    assert_eq!(
+        b.ptr, a.ptr,
+        "the second stream reuses the first one's block"
+    );
+    assert_eq!(t.alloc.held_bytes(), 8 * MIB, "and its pages");
+    assert_eq!(t.handovers, 4, "one piece per page, each through an event");
+    // Handing the bytes back: the first stream now waits for the second.
+    t.free(&b, None);
+    let c = t.allocate(8 * MIB, S1);
+    assert_eq!((c.ptr, t.handovers), (a.ptr, 8));
+    t.free(&c, None);
+    t.alloc.check().unwrap();
+}
+
+#[test]
+fn a_block_used_on_another_stream_waits_for_that_stream_then_for_its_own() {
+    let mut t = ByteAudit::new(&format!("{SHARED},slack:0"), 1 << 30);
+    let a = t.allocate(4 * MIB, S1);
+    let events = t.free(&a, Some(S2));
+    assert_eq!(events.len(), 1, "one event, on the stream that used it");
+    // Until S2's event completes the block is not free: S2 gets other bytes.
+    let b = t.allocate(4 * MIB, S2);
+    assert_ne!(b.ptr, a.ptr);
+    t.complete(&a, events);
+    // Released, the block is S1's freed bytes: S2 takes them through an event of S1.
+    let before = t.handovers;
+    let c = t.allocate(4 * MIB, S2);
+    assert_eq!(c.ptr, a.ptr);
+    assert!(t.handovers > before);
+    t.free(&b, None);
+    t.free(&c, None);
+    t.alloc.check().unwrap();
+}
+
+/// Replays `path` under the audit with `conf`. A block whose free completes later than it is
+/// requested was used on another stream of the trace (the first other one is taken).
+fn replay(path: &str, conf: &str) -> ByteAudit {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path);
+    let tr = trace::load(&path, 0, None).unwrap();
+    let streams = tr.streams();
+    let mut t = ByteAudit::new(conf, gpumem_core::units::H200_TOTAL_BYTES);
+    let mut live: HashMap<(u64, u64), Allocation> = HashMap::new();
+    let mut waiting: HashMap<(u64, u64), (Allocation, Vec<EventHandle>)> = HashMap::new();
+    for (i, e) in tr.events.iter().enumerate() {
+        let key = (e.stream, e.addr);
+        match e.kind {
+            Kind::Alloc if e.size > 0 => {
+                let a = t.allocate(e.size, e.stream);
+                t.alloc
+                    .check()
+                    .unwrap_or_else(|m| panic!("call {}: {m}", t.calls));
+                live.insert(key, a);
+            }
+            Kind::FreeRequested => {
+                let Some(a) = live.remove(&key) else { continue };
+                let next = tr.events.get(i + 1);
+                let immediate =
+                    next.is_some_and(|n| n.kind == Kind::FreeCompleted && n.addr == e.addr);
+                if immediate {
+                    t.free(&a, None);
+                } else {
+                    let other = *streams.iter().find(|&&s| s != e.stream).unwrap();
+                    let evs = t.free(&a, Some(other));
+                    waiting.insert(key, (a, evs));
+                }
+            }
+            Kind::FreeCompleted => {
+                if let Some((a, evs)) = waiting.remove(&key) {
+                    t.complete(&a, evs);
+                }
+            }
+            _ => {}
+        }
+    }
+    t.alloc.check().unwrap();
+    t
+}
+
+#[test]
+fn two_stream_trace_respects_stream_order_in_a_shared_range() {
+    let t = replay("traces/anchors/prefetch_mlp.gmt.gz", SHARED);
+    assert!(
+        t.handovers > 0,
+        "no bytes changed streams: the audit saw nothing"
+    );
+    assert!(t.mixed_pages > 0, "the streams never shared a page");
+}
+
+#[test]
+fn five_stream_server_trace_respects_stream_order_in_a_shared_range() {
+    let t = replay("traces/validation/serve_threads.pickle.gz", SHARED);
+    assert!(t.handovers > 100, "{} handovers", t.handovers);
+    assert!(t.mixed_pages > 100, "{} mixed pages", t.mixed_pages);
+}
+
+#[test]
+fn ranges_per_stream_pass_the_same_audit_and_never_mix_pages() {
+    let t = replay("traces/anchors/prefetch_mlp.gmt.gz", "policy:stitched");
+    assert!(t.handovers > 0);
+    assert_eq!(t.mixed_pages, 0);
+}
+
+/// Four threads, each allocating and freeing random sizes on its own stream, and freeing
+/// some of the others' blocks by pointer (as PyTorch's free hook may from any thread): no two
+/// live blocks overlap at any time, and the range's invariants hold at the end, with every
+/// byte back once all is freed.
+#[test]
+fn threads_on_their_own_streams_share_the_range_safely() {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let (sim, _ctl) = SimBackend::new(SimConfig {
+        total_bytes: 8 << 30,
+        ..SimConfig::default()
+    });
+    let alloc = Allocator::new(Box::new(sim), Config::parse(SHARED).unwrap()).unwrap();
+    let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
+    let handed: Mutex<Vec<Allocation>> = Mutex::new(Vec::new());
+    std::thread::scope(|sc| {
+        for t in 0..4u64 {
+            let (alloc, live, handed) = (&alloc, &live, &handed);
+            sc.spawn(move || {
+                let stream = 0x7f00_0000_0000 + (t + 1) * 0x1000;
+                let mut x = 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(t + 1);
+                let mut next = || {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x
+                };
+                let mut mine: Vec<Allocation> = Vec::new();
+                for _ in 0..20_000 {
+                    let r = next();
+                    if mine.len() < 64 && r % 2 == 0 {
+                        let size = 512 << (next() % 14); // 512 B .. 4 MiB
+                        let a = alloc.allocate(size + next() % 512, stream).unwrap();
+                        let mut l = live.lock().unwrap();
+                        if let Some((&s, &e)) = l.range(..a.ptr + a.size).next_back() {
+                            assert!(e <= a.ptr, "{:#x}.. overlaps live {s:#x}..{e:#x}", a.ptr);
+                        }
+                        l.insert(a.ptr, a.ptr + a.size);
+                        drop(l);
+                        if r % 16 == 0 {
+                            handed.lock().unwrap().push(a);
+                        } else {
+                            mine.push(a);
+                        }
+                    } else if let Some(a) = mine.pop() {
+                        live.lock().unwrap().remove(&a.ptr);
+                        alloc.free_allocation(&a).unwrap();
+                    }
+                    // Free one of the blocks another thread handed over, by pointer.
+                    if r % 7 == 0 {
+                        let other = handed.lock().unwrap().pop();
+                        if let Some(a) = other {
+                            live.lock().unwrap().remove(&a.ptr);
+                            alloc.free(a.ptr).unwrap();
+                        }
+                    }
+                }
+                for a in mine {
+                    live.lock().unwrap().remove(&a.ptr);
+                    alloc.free_allocation(&a).unwrap();
+                }
+            });
+        }
+    });
+    for a in handed.into_inner().unwrap() {
+        alloc.free(a.ptr).unwrap();
+    }
+    alloc.check().unwrap();
+    assert_eq!(alloc.memory_stats().allocated_bytes.all.current, 0);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.held_bytes(), 0, "every page returned");
+}
