@@ -172,8 +172,17 @@ import json, torch, gpumem
 gpumem.torch.install(conf=CONF)
 n = 4 << 20                                # 16 MiB of float32
 a, b = torch.cuda.Stream(), torch.cuda.Stream()
+# Loading a kernel for the first time waits for the device, and so does mapping fresh pages
+# (see RECORD_STREAM): run everything once first on both streams.
+for s_ in (a, b):
+    with torch.cuda.stream(s_):
+        w = torch.empty(n, device="cuda")
+        torch.cuda._sleep(1000)
+        w.fill_(1.0)
+        torch.cuda.synchronize()
+        del w
 with torch.cuda.stream(b):
-    warm = torch.empty(1024, device="cuda")  # b uses the pool before the handover
+    warm = torch.empty(1024, device="cuda")  # b holds a block of the pool during the handover
 with torch.cuda.stream(a):
     x = torch.empty(n, device="cuda")
     x_ptr = x.data_ptr()

@@ -365,9 +365,9 @@ impl PolicyFactory {
                 pages = Some(shared.clone());
                 let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
                 if opts.shared_range {
-                    let core = Arc::new(parking_lot::Mutex::new(shared_range::SharedCore::new(
-                        shared, va,
-                    )));
+                    let core = Arc::new(shared_range::CoreLock::new(
+                        shared_range::SharedCore::new(shared, va),
+                    ));
                     Box::new(move |s| Box::new(shared_range::SharedStitched::new(s, core.clone())))
                 } else {
                     Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
