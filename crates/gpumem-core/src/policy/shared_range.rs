@@ -4,7 +4,8 @@
 //! different streams never share a 2 MiB page: a server whose five threads each keep a few
 //! small blocks live holds a partly used page per thread and per gap (1.05 of live on the
 //! server trace, against 1.03 for best fit in one range; docs/stitched.md). Here every stream
-//! places its blocks in one range, under one lock, and two rules keep stream order:
+//! places its blocks in one range, under one lock, blocks under a page go to the end of their
+//! free block that touches fewer untouched pages, and three rules keep stream order:
 //!
 //! - Bytes a stream freed are remembered with the stream and the pool epoch of the free
 //!   (`dirty`) until another stream takes them. That stream first waits, on the device, for an
@@ -14,6 +15,8 @@
 //! - A physical page moved to another virtual page, or a virtual page unmapped, waits for
 //!   every stream that freed anything before the page went idle (see
 //!   `stitched::Order::Shared`).
+//! - The rest of a page that moved counts as freed by the stream that took it, just then: the
+//!   records are by address, and the page's bytes carry their history to the new address.
 //!
 //! While only one stream has allocated, none of this is kept: its handle places blocks as a
 //! range of its own would, plus the lock. When a second stream comes, every block then live
