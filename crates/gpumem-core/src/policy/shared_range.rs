@@ -360,28 +360,24 @@ impl SharedCore {
         if !self.shared {
             return Ok(p);
         }
-        let taken = {
-            let mut d = dev.lock();
-            self.take_bytes(&mut d, me, p.addr, p.addr + p.size)
-        };
-        if let Err(e) = taken {
-            // Give the block back (its bytes were free before; its freed records stay).
-            self.range().free_handle(p.handle, p.addr, dev)?;
-            return Err(e);
-        }
         // A page that came from another virtual page carries its bytes' history, which the
-        // records by address do not: this stream has waited for its last users, so the rest
-        // of the page counts as freed by this stream now, and another stream placing a block
-        // there waits for this one.
+        // records by address do not: this stream has waited for its last users, so the page
+        // counts as freed by this stream now, and another stream placing a block there later
+        // waits for this one. (First, so that it holds even if the block is given back below.)
         let moved = std::mem::take(&mut self.moved_in);
         for &v in &moved {
             let (start, end) = self.range().page_span(v);
             self.freed(me, start, end - start);
         }
         self.moved_in = moved;
-        if !self.moved_in.is_empty() {
-            let over = self.overlapping(p.addr, p.addr + p.size);
-            self.cut(p.addr, p.addr + p.size, over);
+        let taken = {
+            let mut d = dev.lock();
+            self.take_bytes(&mut d, me, p.addr, p.addr + p.size)
+        };
+        if let Err(e) = taken {
+            // Give the block back (its bytes were free before; their records stay).
+            self.range().free_handle(p.handle, p.addr, dev)?;
+            return Err(e);
         }
         self.owner.insert(p.addr, me);
         Ok(p)
