@@ -102,23 +102,27 @@ print(json.dumps({
     assert r["after"] == 0 and r["freed"] == 1024 + 3 * MIB + 512
 
 
+# Loading a kernel for the first time (CUDA's lazy module loading) waits for the device, and so
+# does mapping fresh pages: either would drain a busy stream's queue and hide the races the
+# tests below are about. Run everything once first on STREAMS (n floats), so that the measured
+# pass launches loaded kernels on pages already mapped.
+WARM_UP = """
+for s_ in STREAMS:
+    with torch.cuda.stream(s_):
+        w_ = torch.empty(n, device="cuda")
+        torch.cuda._sleep(1000)
+        w_.fill_(1.0)
+        torch.cuda.synchronize()
+        del w_
+"""
+
 RECORD_STREAM = """
 # Both streams are created streams: the legacy default stream would synchronise with them
 # implicitly and hide the race this test is about.
 main = torch.cuda.Stream()
 side = torch.cuda.Stream()
 n = 16 * 2**20
-
-# Loading a kernel for the first time (CUDA's lazy module loading) waits for the device, and so
-# does mapping fresh pages: either would drain the side stream's queue. Run everything once
-# first, so that the measured pass launches loaded kernels on pages already mapped.
-for s_ in (main, side):
-    with torch.cuda.stream(s_):
-        warm = torch.empty(n, device="cuda")
-        torch.cuda._sleep(1000)
-        warm.fill_(1.0)
-        torch.cuda.synchronize()
-        del warm
+""" + WARM_UP.replace("STREAMS", "(main, side)") + """
 with torch.cuda.stream(main):
     x = torch.empty(n, device="cuda")
     x_ptr = x.data_ptr()
@@ -172,15 +176,7 @@ import json, torch, gpumem
 gpumem.torch.install(conf=CONF)
 n = 4 << 20                                # 16 MiB of float32
 a, b = torch.cuda.Stream(), torch.cuda.Stream()
-# Loading a kernel for the first time waits for the device, and so does mapping fresh pages
-# (see RECORD_STREAM): run everything once first on both streams.
-for s_ in (a, b):
-    with torch.cuda.stream(s_):
-        w = torch.empty(n, device="cuda")
-        torch.cuda._sleep(1000)
-        w.fill_(1.0)
-        torch.cuda.synchronize()
-        del w
+""" + WARM_UP.replace("STREAMS", "(a, b)") + """
 with torch.cuda.stream(b):
     warm = torch.empty(1024, device="cuda")  # b holds a block of the pool during the handover
 with torch.cuda.stream(a):

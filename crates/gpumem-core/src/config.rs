@@ -105,6 +105,19 @@ fn flag(key: &str, v: &str) -> Result<bool, AllocError> {
     }
 }
 
+/// A key with two named values: `off` (the default, false) or `on` (true).
+fn one_of(key: &str, v: &str, off: &str, on: &str) -> Result<bool, AllocError> {
+    if v == off {
+        Ok(false)
+    } else if v == on {
+        Ok(true)
+    } else {
+        Err(AllocError::Config(format!(
+            "{key}:{v}: expected {off} or {on}"
+        )))
+    }
+}
+
 /// A share of the time in (0, 1], or `off` (infinite: never), for the budget keys.
 fn share_or_off(key: &str, v: &str) -> Result<f64, AllocError> {
     if v == "off" {
@@ -177,28 +190,8 @@ impl Config {
                             AllocError::Config(format!("va_factor:{v}: expected 1..64"))
                         })?
                 }
-                "stream_pages" => {
-                    c.options.own_stream_peaks = match v {
-                        "shared" => false,
-                        "own" => true,
-                        _ => {
-                            return Err(AllocError::Config(format!(
-                                "stream_pages:{v}: expected shared or own"
-                            )))
-                        }
-                    }
-                }
-                "range" => {
-                    c.options.shared_range = match v {
-                        "stream" => false,
-                        "shared" => true,
-                        _ => {
-                            return Err(AllocError::Config(format!(
-                                "range:{v}: expected stream or shared"
-                            )))
-                        }
-                    }
-                }
+                "stream_pages" => c.options.own_stream_peaks = one_of(k, v, "shared", "own")?,
+                "range" => c.options.shared_range = one_of(k, v, "stream", "shared")?,
                 "trade_budget" => c.options.trade_budget = share_or_off(k, v)?,
                 "remap_budget" => c.options.remap_budget = share_or_off(k, v)?,
                 "history" => {

@@ -15,9 +15,12 @@
 //! Events never complete by themselves here (`EventMode::Manual`), so every handover the
 //! policy makes must come with a wait.
 
-use gpumem_core::backend::sim::{EventMode, EventOp, SimBackend, SimConfig, SimControl};
+mod common;
+
+use common::{audited_sim, replay_trace, Audited};
+use gpumem_core::backend::sim::{EventOp, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::{EventHandle, PhysHandle, Stream};
-use gpumem_core::trace::{self, Kind};
+use gpumem_core::trace;
 use gpumem_core::{Allocation, Allocator, Config};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -76,13 +79,7 @@ struct ByteAudit {
 
 impl ByteAudit {
     fn new(conf: &str, total: u64) -> ByteAudit {
-        let (sim, ctl) = SimBackend::new(SimConfig {
-            total_bytes: total,
-            event_mode: EventMode::Manual,
-            audit: true,
-            ..SimConfig::default()
-        });
-        let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
+        let (alloc, ctl) = audited_sim(conf, total);
         ByteAudit {
             alloc,
             ctl,
@@ -101,7 +98,6 @@ impl ByteAudit {
     /// call just made.
     fn log_events(&mut self) {
         self.ctl.take_recorded();
-        self.ctl.take_waits();
         for op in self.ctl.take_ops() {
             match op {
                 EventOp::Record { event, stream } => {
@@ -152,11 +148,30 @@ impl ByteAudit {
         out
     }
 
+    /// The block's bytes become reusable by its stream in the current call.
+    fn released(&mut self, a: &Allocation) {
+        let pieces = self.pieces.remove(&a.ptr).expect("a live block");
+        for p in pieces {
+            let recs = self.phys.get_mut(&p.h).expect("page in use");
+            let r = recs
+                .iter_mut()
+                .find(|r| r.lo == p.lo && r.hi == p.hi && r.state == Use::Live)
+                .expect("the block's record");
+            r.state = Use::Freed(self.calls);
+        }
+    }
+}
+
+impl Audited for ByteAudit {
     fn allocate(&mut self, size: u64, stream: Stream) -> Allocation {
         self.log_events();
         self.calls += 1;
         let a = self.alloc.allocate(size, stream).unwrap();
         self.log_events();
+        // The policy's own invariants too, after every allocation.
+        self.alloc
+            .check()
+            .unwrap_or_else(|m| panic!("call {}: {m}", self.calls));
         let pieces = self.pieces_of(&a);
         for p in &pieces {
             let mut recs = self.phys.remove(&p.h).unwrap_or_default();
@@ -210,19 +225,6 @@ impl ByteAudit {
         }
         self.pieces.insert(a.ptr, pieces);
         a
-    }
-
-    /// The block's bytes become reusable by its stream in the current call.
-    fn released(&mut self, a: &Allocation) {
-        let pieces = self.pieces.remove(&a.ptr).expect("a live block");
-        for p in pieces {
-            let recs = self.phys.get_mut(&p.h).expect("page in use");
-            let r = recs
-                .iter_mut()
-                .find(|r| r.lo == p.lo && r.hi == p.hi && r.state == Use::Live)
-                .expect("the block's record");
-            r.state = Use::Freed(self.calls);
-        }
     }
 
     /// Frees `a`; with `used_on`, after a use on that stream: the events the free recorded
@@ -340,48 +342,14 @@ fn a_block_used_on_another_stream_waits_for_that_stream_then_for_its_own() {
     t.alloc.check().unwrap();
 }
 
-/// Replays `path` under the audit with `conf`. A block whose free completes later than it is
-/// requested was used on another stream of the trace (the first other one is taken).
+/// Replays `path` under the audit with `conf` (see [`replay_trace`]).
 fn replay(path: &str, conf: &str) -> ByteAudit {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .join(path);
     let tr = trace::load(&path, 0, None).unwrap();
-    let streams = tr.streams();
     let mut t = ByteAudit::new(conf, gpumem_core::units::H200_TOTAL_BYTES);
-    let mut live: HashMap<(u64, u64), Allocation> = HashMap::new();
-    let mut waiting: HashMap<(u64, u64), (Allocation, Vec<EventHandle>)> = HashMap::new();
-    for (i, e) in tr.events.iter().enumerate() {
-        let key = (e.stream, e.addr);
-        match e.kind {
-            Kind::Alloc if e.size > 0 => {
-                let a = t.allocate(e.size, e.stream);
-                t.alloc
-                    .check()
-                    .unwrap_or_else(|m| panic!("call {}: {m}", t.calls));
-                live.insert(key, a);
-            }
-            Kind::FreeRequested => {
-                let Some(a) = live.remove(&key) else { continue };
-                let next = tr.events.get(i + 1);
-                let immediate =
-                    next.is_some_and(|n| n.kind == Kind::FreeCompleted && n.addr == e.addr);
-                if immediate {
-                    t.free(&a, None);
-                } else {
-                    let other = *streams.iter().find(|&&s| s != e.stream).unwrap();
-                    let evs = t.free(&a, Some(other));
-                    waiting.insert(key, (a, evs));
-                }
-            }
-            Kind::FreeCompleted => {
-                if let Some((a, evs)) = waiting.remove(&key) {
-                    t.complete(&a, evs);
-                }
-            }
-            _ => {}
-        }
-    }
+    replay_trace(&tr, &mut t);
     t.alloc.check().unwrap();
     t
 }

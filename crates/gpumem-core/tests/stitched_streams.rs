@@ -8,9 +8,12 @@
 //! - a block freed with a use on another stream keeps its pages until that stream's event has
 //!   completed (the pages stay "in use" in the audit until then).
 
+mod common;
+
+use common::{audited_sim, replay_trace, Audited};
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::{EventHandle, PhysHandle, Stream};
-use gpumem_core::trace::{self, Kind};
+use gpumem_core::trace;
 use gpumem_core::{Allocation, Allocator, Config};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -35,13 +38,7 @@ struct Audit {
 
 impl Audit {
     fn new(conf: &str, total: u64) -> Audit {
-        let (sim, ctl) = SimBackend::new(SimConfig {
-            total_bytes: total,
-            event_mode: EventMode::Manual,
-            audit: true,
-            ..SimConfig::default()
-        });
-        let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
+        let (alloc, ctl) = audited_sim(conf, total);
         Audit {
             alloc,
             ctl,
@@ -66,6 +63,27 @@ impl Audit {
         }
     }
 
+    /// The block's pages stop being used by its stream.
+    fn released(&mut self, a: &Allocation) {
+        let mut seen = Vec::new();
+        for va in Self::pages(a) {
+            let Some(h) = self.ctl.handle_at(va) else {
+                continue;
+            };
+            if seen.contains(&h) {
+                continue;
+            }
+            seen.push(h);
+            let e = self.users.get_mut(&h).expect("page was in use");
+            e.1 -= 1;
+            if e.1 == 0 {
+                self.last_user.insert(h, (a.stream, self.calls));
+            }
+        }
+    }
+}
+
+impl Audited for Audit {
     fn allocate(&mut self, size: u64, stream: Stream) -> Allocation {
         self.log_events();
         self.ctl.take_waits();
@@ -120,25 +138,6 @@ impl Audit {
             }
         }
         a
-    }
-
-    /// The block's pages stop being used by its stream.
-    fn released(&mut self, a: &Allocation) {
-        let mut seen = Vec::new();
-        for va in Self::pages(a) {
-            let Some(h) = self.ctl.handle_at(va) else {
-                continue;
-            };
-            if seen.contains(&h) {
-                continue;
-            }
-            seen.push(h);
-            let e = self.users.get_mut(&h).expect("page was in use");
-            e.1 -= 1;
-            if e.1 == 0 {
-                self.last_user.insert(h, (a.stream, self.calls));
-            }
-        }
     }
 
     /// Frees `a`; with `used_on`, the free waits for an event on that stream, returned.
@@ -242,40 +241,9 @@ fn replay_prefetch(conf: &str) -> (usize, usize) {
     let path =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/anchors/prefetch_mlp.gmt.gz");
     let tr = trace::load(&path, 0, None).unwrap();
-    let streams = tr.streams();
-    assert_eq!(streams.len(), 2);
+    assert_eq!(tr.streams().len(), 2);
     let mut t = Audit::new(conf, gpumem_core::units::H200_TOTAL_BYTES);
-    let mut live: HashMap<(u64, u64), Allocation> = HashMap::new();
-    let mut waiting: HashMap<(u64, u64), (Allocation, Vec<EventHandle>)> = HashMap::new();
-    for (i, e) in tr.events.iter().enumerate() {
-        let key = (e.stream, e.addr);
-        match e.kind {
-            Kind::Alloc => {
-                let a = t.allocate(e.size, e.stream);
-                live.insert(key, a);
-            }
-            Kind::FreeRequested => {
-                let a = live.remove(&key).unwrap();
-                let next = tr.events.get(i + 1);
-                let immediate =
-                    next.is_some_and(|n| n.kind == Kind::FreeCompleted && n.addr == e.addr);
-                if immediate {
-                    t.free(&a, None);
-                } else {
-                    // Used on the other stream of the trace.
-                    let other = *streams.iter().find(|&&s| s != e.stream).unwrap();
-                    let evs = t.free(&a, Some(other));
-                    waiting.insert(key, (a, evs));
-                }
-            }
-            Kind::FreeCompleted => {
-                if let Some((a, evs)) = waiting.remove(&key) {
-                    t.complete(&a, evs);
-                }
-            }
-            _ => {}
-        }
-    }
+    replay_trace(&tr, &mut t);
     t.alloc.check().unwrap();
     (t.handovers, t.fresh_handovers)
 }

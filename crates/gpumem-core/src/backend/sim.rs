@@ -41,8 +41,8 @@ pub struct SimConfig {
     /// (by address) as it did on the GPU.
     pub segment_addresses: std::collections::VecDeque<(u64, DevPtr)>,
     /// Keep what tests audit: a copy of the page mappings, which [`SimControl::handle_at`]
-    /// queries (which physical page backs which address), and the stream waits, which
-    /// [`SimControl::take_waits`] returns.
+    /// queries (which physical page backs which address), and the log of event operations,
+    /// which [`SimControl::take_ops`] and [`SimControl::take_waits`] return.
     pub audit: bool,
     /// First virtual address handed out. Simulated devices of one process get bases far
     /// apart, so that, as under CUDA's unified addressing, no address belongs to two devices.
@@ -71,7 +71,6 @@ impl Default for SimConfig {
 struct EventState {
     done: FxHashMap<u64, bool>,
     recorded: Vec<(EventHandle, Stream)>,
-    waits: Vec<(Stream, EventHandle)>,
     /// Records, waits and host waits in the order they happened (kept only when the device
     /// audits).
     ops: Vec<EventOp>,
@@ -138,10 +137,17 @@ impl SimControl {
         std::mem::take(&mut self.events.lock().recorded)
     }
 
-    /// Stream waits (`stream` waits for `event`) since the last call, oldest first (kept only
-    /// when the device audits, see [`SimConfig::audit`]).
+    /// Stream waits (`stream` waits for `event`) since the last call, oldest first: the
+    /// waits of [`SimControl::take_ops`]'s log, which this drains (kept only when the device
+    /// audits, see [`SimConfig::audit`]).
     pub fn take_waits(&self) -> Vec<(Stream, EventHandle)> {
-        std::mem::take(&mut self.events.lock().waits)
+        self.take_ops()
+            .into_iter()
+            .filter_map(|op| match op {
+                EventOp::Wait { stream, event } => Some((stream, event)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Event records, stream waits and host waits since the last call, in the order they
@@ -529,7 +535,6 @@ impl Backend for SimBackend {
         let mut ev = self.events.lock();
         if ev.done.contains_key(&event.0) {
             if self.cfg.audit {
-                ev.waits.push((stream, event));
                 ev.ops.push(EventOp::Wait { stream, event });
             }
             Ok(())

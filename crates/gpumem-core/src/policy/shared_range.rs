@@ -23,8 +23,8 @@
 //! is filed as the first stream's, and every byte counts as freed by it just then.
 //!
 //! Each stream's engine shard holds a [`SharedStitched`], a handle on the one [`SharedCore`].
-//! The first handle made reports the range's statistics and segments, so that the engine's
-//! sums over its shards count them once.
+//! The first handle made reports the range's statistics and segments, and releases its cached
+//! memory, so that the engine's passes over its shards count and do them once.
 
 use super::stitched::{Order, PagePool, Stitched};
 use super::{Placement, Policy, SegmentInfo};
@@ -432,9 +432,6 @@ impl SharedCore {
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
-        if self.range.is_none() {
-            return Ok(0);
-        }
         {
             let mut d = dev.lock();
             self.clocks.sync_all(&mut d, &self.pool)?;
@@ -522,6 +519,12 @@ impl Policy for SharedStitched {
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
+        // The engine asks every stream's shard; the range is one, so the reporting handle
+        // releases it (with every stream synchronised) and the others have nothing of their
+        // own to release.
+        if !self.reports {
+            return Ok(0);
+        }
         self.core.lock().release_cached(dev)
     }
 
