@@ -11,6 +11,7 @@
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
 //! | `range` | stream, shared | stitched: one virtual range per stream (default), or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all) |
+//! | `spill` | auto, off, n ≥ 1 | stitched, with `range:shared`: when a stream places blocks in a range of its own; auto (default): while the shared range's lock is contended (threads that do nothing but allocate); n: every n-th allocation (a testing aid) |
 //! | `trade_budget` | 0 < f ≤ 1, or `off` | stitched, several streams: share of the time that moving idle pages between streams may cost before the streams keep their own peaks instead (default 0.1) |
 //! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |
 //! | `leak_check` | 0/1 | track live allocations (for leak reports) |
@@ -19,6 +20,7 @@
 
 use crate::backend::CostModel;
 use crate::error::AllocError;
+use crate::policy::shared_range::Spill;
 use crate::policy::{PolicyKind, PolicyOptions};
 use crate::units::parse_size;
 
@@ -192,6 +194,19 @@ impl Config {
                 }
                 "stream_pages" => c.options.own_stream_peaks = one_of(k, v, "shared", "own")?,
                 "range" => c.options.shared_range = one_of(k, v, "stream", "shared")?,
+                "spill" => {
+                    c.options.spill = match v {
+                        "auto" => Spill::Auto,
+                        "off" => Spill::Off,
+                        _ => Spill::Every(v.parse::<u32>().ok().filter(|&n| n >= 1).ok_or_else(
+                            || {
+                                AllocError::Config(format!(
+                                    "spill:{v}: expected auto, off or a count of allocations (1 or more)"
+                                ))
+                            },
+                        )?),
+                    }
+                }
                 "trade_budget" => c.options.trade_budget = share_or_off(k, v)?,
                 "remap_budget" => c.options.remap_budget = share_or_off(k, v)?,
                 "history" => {
@@ -215,7 +230,7 @@ impl Config {
                 _ => {
                     return Err(AllocError::Config(format!(
                         "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
-                         va_factor, stream_pages, range, trade_budget, remap_budget, history, leak_check, backtraces, \
+                         va_factor, stream_pages, range, spill, trade_budget, remap_budget, history, leak_check, backtraces, \
                          costs)"
                     )))
                 }
@@ -280,6 +295,15 @@ mod tests {
         assert!(!Config::default().options.shared_range);
         assert!(Config::parse("range:shared").unwrap().options.shared_range);
         assert!(!Config::parse("range:stream").unwrap().options.shared_range);
+        assert_eq!(Config::default().options.spill, Spill::Auto);
+        assert_eq!(
+            Config::parse("spill:off").unwrap().options.spill,
+            Spill::Off
+        );
+        assert_eq!(
+            Config::parse("spill:3").unwrap().options.spill,
+            Spill::Every(3)
+        );
         assert_eq!(Config::default().options.trade_budget, 0.1);
         assert_eq!(
             Config::parse("trade_budget:0.2")
@@ -341,6 +365,8 @@ mod tests {
             ("slack:-1", "slack"),
             ("stream_pages:mine", "expected shared or own"),
             ("range:one", "expected stream or shared"),
+            ("spill:0", "expected auto, off or a count"),
+            ("spill:sometimes", "expected auto, off or a count"),
             ("trade_budget:0", "trade_budget"),
             ("trade_budget:1.5", "trade_budget"),
             ("trade_budget:NaN", "trade_budget"),

@@ -248,11 +248,15 @@ fn random_operations_keep_every_invariant() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2_000_000);
     let per_case = 4000;
-    // Every policy, and the stitched one with one range shared by the streams.
+    // Every policy, and the stitched one with one range shared by the streams (with every
+    // third allocation of a stream in a range of its own, as contention makes them).
     let runs: Vec<(PolicyKind, &str)> = PolicyKind::ALL
         .into_iter()
         .map(|p| (p, ""))
-        .chain([(PolicyKind::Stitched, ",range:shared")])
+        .chain([
+            (PolicyKind::Stitched, ",range:shared"),
+            (PolicyKind::Stitched, ",range:shared,spill:3"),
+        ])
         .collect();
     let cases = (total / per_case / runs.len()).max(1) as u32;
     for (policy, extra) in runs {

@@ -233,12 +233,16 @@ fn prealloc_counts_each_driver_allocation() {
 }
 
 /// Every policy, and the stitched one with one range shared by the streams (`range:shared`),
+/// also with every third allocation of a stream spilled to a range of its own (`spill:3`),
 /// with the configuration to add to `policy:NAME`.
 fn policy_runs() -> Vec<(PolicyKind, &'static str)> {
     PolicyKind::ALL
         .into_iter()
         .map(|p| (p, ""))
-        .chain([(PolicyKind::Stitched, ",range:shared")])
+        .chain([
+            (PolicyKind::Stitched, ",range:shared"),
+            (PolicyKind::Stitched, ",range:shared,spill:3"),
+        ])
         .collect()
 }
 

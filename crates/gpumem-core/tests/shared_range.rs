@@ -369,6 +369,58 @@ fn five_stream_server_trace_respects_stream_order_in_a_shared_range() {
     let t = replay("traces/validation/serve_threads.pickle.gz", SHARED);
     assert!(t.handovers > 100, "{} handovers", t.handovers);
     assert!(t.mixed_pages > 100, "{} mixed pages", t.mixed_pages);
+    // One thread replays it: the lock is never contended, so no stream spills.
+    let notes = t.alloc.policy_notes();
+    assert!(!notes.iter().any(|n| n.contains("own range")), "{notes:?}");
+}
+
+/// Every third allocation of each stream goes to a range of the stream's own (`spill:3`, the
+/// deterministic form of what contention on the shared range's lock does): pages move between
+/// the shared range and the streams' own ranges, and stream order still holds byte by byte.
+#[test]
+fn spilling_to_ranges_of_their_own_keeps_stream_order() {
+    for path in [
+        "traces/anchors/prefetch_mlp.gmt.gz",
+        "traces/validation/serve_threads.pickle.gz",
+    ] {
+        let t = replay(path, &format!("{SHARED},spill:3"));
+        assert!(t.handovers > 0, "{path}: no bytes changed streams");
+        assert!(t.mixed_pages > 0, "{path}: the streams never shared a page");
+        let notes = t.alloc.policy_notes();
+        assert!(
+            notes.iter().any(|n| n.contains("own range")),
+            "{path}: {notes:?}"
+        );
+    }
+}
+
+/// The pages move one way: the shared range takes idle pages of the streams' own ranges
+/// (after their stream's work), never the other way, since any of the shared range's streams
+/// may have used its pages last.
+#[test]
+fn a_range_of_its_own_never_takes_the_shared_ranges_idle_pages() {
+    // spill:2: a stream's odd allocations go to the shared range, its even ones to its own.
+    let mut t = ByteAudit::new(&format!("{SHARED},spill:2,slack:0"), 1 << 30);
+    let a = t.allocate(16 * MIB, S1); // shared range
+    let b = t.allocate(2 * MIB, S1); // own range
+    assert_eq!(t.alloc.held_bytes(), 18 * MIB);
+    t.free(&a, None); // eight idle pages in the shared range
+    let c = t.allocate(2 * MIB, S1); // shared range: one of them
+    assert_eq!((c.ptr, t.alloc.held_bytes()), (a.ptr, 18 * MIB));
+    // Own range: four pages, fewer than the peak in use, and seven idle in the shared range.
+    // Ranges per stream would take idle pages; here only the shared range's are idle, and
+    // they are not this range's to take: four new pages.
+    let d = t.allocate(8 * MIB, S1);
+    assert_eq!(t.alloc.held_bytes(), 26 * MIB);
+    // The other way is allowed: the shared range takes the own range's idle pages (and S2,
+    // on the shared range, waits for S1's event for them).
+    t.free(&d, None);
+    let e = t.allocate(22 * MIB, S2); // shared range: its 7 idle pages and 4 of S1's
+    assert_eq!(t.alloc.held_bytes(), 26 * MIB, "{:#x}", e.ptr);
+    for x in [b, c, e] {
+        t.free(&x, None);
+    }
+    t.alloc.check().unwrap();
 }
 
 #[test]
@@ -384,13 +436,19 @@ fn ranges_per_stream_pass_the_same_audit_and_never_mix_pages() {
 /// byte back once all is freed.
 #[test]
 fn threads_on_their_own_streams_share_the_range_safely() {
+    threads_free_each_others_blocks(SHARED);
+    // With every other allocation in the thread's own range.
+    threads_free_each_others_blocks(&format!("{SHARED},spill:2"));
+}
+
+fn threads_free_each_others_blocks(conf: &str) {
     use std::collections::BTreeMap;
     use std::sync::Mutex;
     let (sim, _ctl) = SimBackend::new(SimConfig {
         total_bytes: 8 << 30,
         ..SimConfig::default()
     });
-    let alloc = Allocator::new(Box::new(sim), Config::parse(SHARED).unwrap()).unwrap();
+    let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
     let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
     let handed: Mutex<Vec<Allocation>> = Mutex::new(Vec::new());
     std::thread::scope(|sc| {

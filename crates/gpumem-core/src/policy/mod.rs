@@ -295,6 +295,10 @@ pub struct PolicyOptions {
     /// an event of the first that the second waits for on the device, so streams share pages
     /// for their small blocks; placement takes one lock for all streams.
     pub shared_range: bool,
+    /// Stitched, with a shared range: when a stream places blocks in a range of its own
+    /// instead (see [`shared_range::Spill`]); by default when the shared range's lock is
+    /// contended.
+    pub spill: shared_range::Spill,
     /// Stitched, with several streams: the share of the time that moving idle pages from one
     /// stream to another may take. Once the driver time of the slow paths that took pages
     /// from other streams exceeds it over a window of at least [`TRADE_WINDOW_US`], the
@@ -334,6 +338,7 @@ impl Default for PolicyOptions {
             va_factor: 2,
             own_stream_peaks: false,
             shared_range: false,
+            spill: shared_range::Spill::Auto,
             trade_budget: 0.1,
             remap_budget: 0.2,
         }
@@ -346,12 +351,15 @@ pub struct PolicyFactory {
     make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync>,
     /// The stitched policy's page pool, shared by its streams.
     pages: Option<Arc<stitched::PagePool>>,
+    /// With a shared range: the streams' spills to ranges of their own.
+    spills: Option<Arc<shared_range::SpillCount>>,
 }
 
 impl PolicyFactory {
     /// A factory for `kind` on the device described by `info`.
     pub fn new(kind: PolicyKind, info: &DeviceInfo, opts: &PolicyOptions) -> Self {
         let mut pages = None;
+        let mut spills = None;
         let make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync> = match kind {
             PolicyKind::Native => Box::new(|s| Box::new(segmented::Segmented::native(s))),
             PolicyKind::Caching => Box::new(|s| Box::new(segmented::Segmented::caching(s))),
@@ -368,24 +376,41 @@ impl PolicyFactory {
                     let core = Arc::new(shared_range::CoreLock::new(
                         shared_range::SharedCore::new(shared, va),
                     ));
-                    Box::new(move |s| Box::new(shared_range::SharedStitched::new(s, core.clone())))
+                    let spill = opts.spill;
+                    let counted = Arc::new(shared_range::SpillCount::default());
+                    spills = Some(counted.clone());
+                    Box::new(move |s| {
+                        Box::new(shared_range::SharedStitched::new(
+                            s,
+                            core.clone(),
+                            spill,
+                            counted.clone(),
+                        ))
+                    })
                 } else {
                     Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
                 }
             }
         };
-        Self { kind, make, pages }
+        Self {
+            kind,
+            make,
+            pages,
+            spills,
+        }
     }
 
     /// What the policy changed on its own while running, one line each (the stitched
-    /// policy's streams stopping page trading; its spare pages raised by the remap budget).
+    /// policy's streams stopping page trading; its spare pages raised by the remap budget;
+    /// with a shared range, streams spilling to ranges of their own).
     pub fn notes(&self) -> Vec<String> {
         let Some(p) = self.pages.as_ref() else {
             return Vec::new();
         };
         let trade = p.trading_stopped().map(|t| t.to_string());
         let remap = p.spare_raised().map(|r| r.to_string());
-        trade.into_iter().chain(remap).collect()
+        let spill = self.spills.as_ref().and_then(|s| s.note());
+        trade.into_iter().chain(remap).chain(spill).collect()
     }
 
     /// The policy kind.

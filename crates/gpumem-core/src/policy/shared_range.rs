@@ -34,6 +34,7 @@ use crate::error::BackendError;
 use crate::stats::MemoryStats;
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Events kept per stream (the oldest is destroyed when a new one comes).
@@ -246,7 +247,8 @@ impl SharedCore {
     fn join(&mut self, stream: Stream) -> u32 {
         let me = self.clocks.add(stream);
         if me == 0 {
-            self.range = Some(Stitched::new(stream, self.pool.clone(), self.va_bytes).page_aware());
+            let range = Stitched::new(stream, self.pool.clone(), self.va_bytes);
+            self.range = Some(range.page_aware().keeps_pages());
         } else if me == 1 {
             self.shared = true;
             let range = self.range.as_ref().expect("made with the first stream");
@@ -431,14 +433,15 @@ impl SharedCore {
         Ok(())
     }
 
-    fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
+    /// Waits on the host for every stream's queued work: then no freed byte needs a wait,
+    /// and the pool may unmap any idle page, the range's included.
+    fn sync(&mut self, dev: &Device) -> Result<(), BackendError> {
         {
             let mut d = dev.lock();
             self.clocks.sync_all(&mut d, &self.pool)?;
         }
-        // Every stream's work is done: no freed bytes need a wait any more.
         self.dirty.clear();
-        self.range().release_cached(dev)
+        Ok(())
     }
 
     fn check(&self) -> Result<(), String> {
@@ -468,23 +471,196 @@ impl SharedCore {
 /// mutex, H200).
 pub type CoreLock = spin::mutex::SpinMutex<SharedCore, spin::relax::Yield>;
 
-/// One stream's handle on a device's shared range.
+/// Allocations and frees of a stream in the shared range over which it counts how often the
+/// range's lock was held by another thread when it came; and allocations a spill lasts.
+const SPILL_WINDOW: u32 = 256;
+
+/// Yields per window (waiting for the lock held by another thread) from which the stream
+/// spills: its next allocations go to a range of its own. One per four operations: a yield
+/// costs a system call, more than the operation, so then the stream spends more time waiting
+/// than working. Threads that do nothing but allocate wait that much; a server's threads,
+/// which do other work between allocations, almost never wait.
+const SPILL_WAITS: u32 = SPILL_WINDOW / 4;
+
+/// Windows a stream spills for, the first time; each time it comes back and spills again, twice
+/// as many (up to [`SPILL_WINDOWS_MAX`]), and half as many after a window back without
+/// contention. A thread that keeps coming back to a contended lock would pay for it again
+/// each time.
+const SPILL_WINDOWS_MIN: u32 = 16;
+const SPILL_WINDOWS_MAX: u32 = 4096;
+
+/// When a stream places blocks in its own range instead of the shared one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spill {
+    /// Never: every block goes to the shared range, whatever the wait for its lock.
+    Off,
+    /// When the stream's last 256 operations in the shared range yielded the CPU 64 times or
+    /// more, waiting for its lock: for 16 windows of 256 allocations, twice as long each time it
+    /// comes back to a lock still contended (up to 4,096 windows).
+    Auto,
+    /// Every n-th allocation of each stream (a testing aid: it mixes the two kinds of range
+    /// deterministically, without threads).
+    Every(u32),
+}
+
+/// The spills of a device's streams, for the policy's notes.
+#[derive(Debug, Default)]
+pub struct SpillCount {
+    /// Times a stream began to spill.
+    spells: AtomicU64,
+    /// Allocations placed in streams' own ranges.
+    allocations: AtomicU64,
+}
+
+impl SpillCount {
+    /// One line on the spills so far, if there were any.
+    pub fn note(&self) -> Option<String> {
+        let spells = self.spells.load(Ordering::Relaxed);
+        let allocations = self.allocations.load(Ordering::Relaxed);
+        (allocations > 0).then(|| {
+            format!(
+                "stitched: {allocations} allocations went to their stream's own range instead of \
+                 the shared one, in {spells} spells (spill:auto: the shared range's lock was \
+                 contended, or spill:N; their small blocks do not share pages with other streams')"
+            )
+        })
+    }
+}
+
+/// A stream's count of the contention it met, and whether it spills now.
+#[derive(Debug, Default)]
+struct Contention {
+    /// Allocations and frees in the shared range in the current window, and the times they
+    /// found its lock held and yielded the CPU.
+    ops: u32,
+    waits: u32,
+    /// Allocations spilled in the current window.
+    spilled: u32,
+    /// Windows left to spill for (0: placing in the shared range).
+    away: u32,
+    /// Windows the next spill lasts.
+    next_away: u32,
+}
+
+impl Contention {
+    /// Counts an allocation or free in the shared range that yielded `waits` times for the
+    /// lock.
+    /// Returns whether the stream begins to spill.
+    fn came(&mut self, waits: u32) -> bool {
+        self.ops += 1;
+        self.waits = self.waits.saturating_add(waits);
+        if self.ops < SPILL_WINDOW {
+            return false;
+        }
+        let next = self.next_away.max(SPILL_WINDOWS_MIN);
+        // (Frees of its blocks in the shared range come here during a spill too: contention
+        // then lengthens the spill.)
+        let began = self.waits >= SPILL_WAITS && self.away == 0;
+        if self.waits >= SPILL_WAITS {
+            self.away = next;
+            self.next_away = (next * 2).min(SPILL_WINDOWS_MAX);
+        } else {
+            self.next_away = (next / 2).max(SPILL_WINDOWS_MIN);
+        }
+        self.ops = 0;
+        self.waits = 0;
+        began
+    }
+
+    /// Counts an allocation placed in the stream's own range.
+    fn spilled(&mut self) {
+        self.spilled += 1;
+        if self.spilled == SPILL_WINDOW {
+            self.spilled = 0;
+            self.away -= 1;
+        }
+    }
+}
+
+/// One stream's handle on a device's shared range, and the stream's own range for the
+/// allocations it spills (see [`Spill`]).
+///
+/// The own range is a stitched range per stream, as without `range:shared`, on the same page
+/// pool: the shared range may take its idle pages (waiting for this stream's work, as ranges
+/// per stream do), but it never takes the shared range's, which any stream may have used last.
+/// Frees go to whichever range holds the address.
 pub struct SharedStitched {
     me: u32,
     /// The first handle made: reports the range's statistics and segments.
     reports: bool,
     core: Arc<CoreLock>,
+    stream: Stream,
+    pool: Arc<PagePool>,
+    va_bytes: u64,
+    spill: Spill,
+    contention: Contention,
+    /// Allocations made (for [`Spill::Every`]).
+    allocs: u64,
+    /// The stream's own range, made at its first spill.
+    own: Option<Stitched>,
+    counted: Arc<SpillCount>,
 }
 
 impl SharedStitched {
     /// The handle of `stream` on `core` (made, with the range, for the first stream).
-    pub fn new(stream: Stream, core: Arc<CoreLock>) -> Self {
-        let me = core.lock().join(stream);
+    pub fn new(
+        stream: Stream,
+        core: Arc<CoreLock>,
+        spill: Spill,
+        counted: Arc<SpillCount>,
+    ) -> Self {
+        let (me, pool, va_bytes) = {
+            let mut c = core.lock();
+            (c.join(stream), c.pool.clone(), c.va_bytes)
+        };
         Self {
             me,
             reports: me == 0,
             core,
+            stream,
+            pool,
+            va_bytes,
+            spill,
+            contention: Contention::default(),
+            allocs: 0,
+            own: None,
+            counted,
         }
+    }
+
+    /// The shared range, locked; counts whether another thread held it.
+    fn lock_core(&mut self) -> spin::mutex::SpinMutexGuard<'_, SharedCore, spin::relax::Yield> {
+        let mut waits = 0;
+        let core = loop {
+            if let Some(c) = self.core.try_lock() {
+                break c;
+            }
+            waits += 1;
+            std::thread::yield_now();
+        };
+        if self.contention.came(waits) {
+            self.counted.spells.fetch_add(1, Ordering::Relaxed);
+        }
+        core
+    }
+
+    /// Whether this allocation goes to the stream's own range.
+    fn spills(&mut self) -> bool {
+        self.allocs += 1;
+        match self.spill {
+            Spill::Off => false,
+            Spill::Auto => self.contention.away > 0,
+            Spill::Every(n) => self.allocs % n as u64 == 0,
+        }
+    }
+
+    /// The stream's own range, if `addr` is in it.
+    fn own_at(&mut self, addr: DevPtr) -> Option<&mut Stitched> {
+        self.own.as_mut().filter(|o| o.holds(addr))
+    }
+
+    fn owns_at(&self, addr: DevPtr) -> Option<&Stitched> {
+        self.own.as_ref().filter(|o| o.holds(addr))
     }
 }
 
@@ -494,19 +670,52 @@ impl Policy for SharedStitched {
     }
 
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
-        self.core.lock().allocate(self.me, size, dev)
+        if self.spills() {
+            if self.spill == Spill::Auto {
+                self.contention.spilled();
+            }
+            self.counted.allocations.fetch_add(1, Ordering::Relaxed);
+            let own = self.own.get_or_insert_with(|| {
+                Stitched::new(self.stream, self.pool.clone(), self.va_bytes)
+            });
+            match own.allocate(size, dev) {
+                // Out of memory in its own range: the shared range may have idle pages.
+                Err(e) if e.out_of_memory => {}
+                placed => return placed,
+            }
+        }
+        let me = self.me;
+        self.lock_core().allocate(me, size, dev)
     }
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
-        self.core.lock().free_requested(self.me, addr)
+        match self.own_at(addr) {
+            Some(own) => own.free_requested(addr),
+            None => {
+                let me = self.me;
+                self.lock_core().free_requested(me, addr)
+            }
+        }
     }
 
     fn release(&mut self, addr: DevPtr, dev: &Device) -> Result<(), BackendError> {
-        self.core.lock().release(self.me, addr, dev)
+        match self.own_at(addr) {
+            Some(own) => own.release(addr, dev),
+            None => {
+                let me = self.me;
+                self.lock_core().release(me, addr, dev)
+            }
+        }
     }
 
     fn free(&mut self, addr: DevPtr, dev: &Device) -> Result<Option<u64>, BackendError> {
-        self.core.lock().free(self.me, None, addr, dev)
+        match self.own_at(addr) {
+            Some(own) => own.free(addr, dev),
+            None => {
+                let me = self.me;
+                self.lock_core().free(me, None, addr, dev)
+            }
+        }
     }
 
     fn free_handle(
@@ -515,24 +724,43 @@ impl Policy for SharedStitched {
         addr: DevPtr,
         dev: &Device,
     ) -> Result<Option<u64>, BackendError> {
-        self.core.lock().free(self.me, Some(handle), addr, dev)
+        match self.own_at(addr) {
+            Some(own) => own.free_handle(handle, addr, dev),
+            None => {
+                let me = self.me;
+                self.lock_core().free(me, Some(handle), addr, dev)
+            }
+        }
     }
 
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
-        // The engine asks every stream's shard; the range is one, so the reporting handle
-        // releases it (with every stream synchronised) and the others have nothing of their
-        // own to release.
-        if !self.reports {
+        // The engine asks every stream's shard. The shared range is one, so the reporting
+        // handle releases it; each handle releases its own range. Either unmaps idle pages of
+        // the whole pool, the shared range's among them, so every stream is synchronised first.
+        if !self.reports && self.own.is_none() {
             return Ok(0);
         }
-        self.core.lock().release_cached(dev)
+        let mut core = self.core.lock();
+        core.sync(dev)?;
+        let mut released = 0;
+        if let Some(own) = self.own.as_mut() {
+            released += own.release_cached(dev)?;
+        }
+        if self.reports {
+            released += core.range().release_cached(dev)?;
+        }
+        Ok(released)
     }
 
     fn stats(&self) -> MemoryStats {
-        match (self.reports, self.core.lock().range.as_ref()) {
+        let mut st = match (self.reports, self.core.lock().range.as_ref()) {
             (true, Some(r)) => r.stats(),
             _ => MemoryStats::default(),
+        };
+        if let Some(own) = self.own.as_ref() {
+            st.merge_blocks(&own.stats());
         }
+        st
     }
 
     fn reset_peaks(&mut self) {
@@ -541,29 +769,44 @@ impl Policy for SharedStitched {
                 r.reset_peaks();
             }
         }
-    }
-
-    fn largest_free(&self) -> u64 {
-        self.core
-            .lock()
-            .range
-            .as_ref()
-            .map_or(0, |r| r.largest_free())
-    }
-
-    fn segments(&self) -> Vec<SegmentInfo> {
-        match (self.reports, self.core.lock().range.as_ref()) {
-            (true, Some(r)) => r.segments(),
-            _ => Vec::new(),
+        if let Some(own) = self.own.as_mut() {
+            own.reset_peaks();
         }
     }
 
+    fn largest_free(&self) -> u64 {
+        let shared = self
+            .core
+            .lock()
+            .range
+            .as_ref()
+            .map_or(0, |r| r.largest_free());
+        shared.max(self.own.as_ref().map_or(0, |o| o.largest_free()))
+    }
+
+    fn segments(&self) -> Vec<SegmentInfo> {
+        let mut segs = match (self.reports, self.core.lock().range.as_ref()) {
+            (true, Some(r)) => r.segments(),
+            _ => Vec::new(),
+        };
+        if let Some(own) = self.own.as_ref() {
+            segs.extend(own.segments());
+        }
+        segs
+    }
+
     fn is_allocated(&self, addr: DevPtr) -> bool {
+        if let Some(own) = self.owns_at(addr) {
+            return own.is_allocated(addr);
+        }
         let c = self.core.lock();
         c.owns(self.me, addr) && c.range.as_ref().is_some_and(|r| r.is_allocated(addr))
     }
 
     fn is_allocated_handle(&self, handle: u32, addr: DevPtr) -> bool {
+        if let Some(own) = self.owns_at(addr) {
+            return own.is_allocated_handle(handle, addr);
+        }
         let c = self.core.lock();
         c.owns(self.me, addr)
             && c.range
@@ -572,6 +815,9 @@ impl Policy for SharedStitched {
     }
 
     fn is_free_block(&self, addr: DevPtr) -> bool {
+        if let Some(own) = self.owns_at(addr) {
+            return own.is_free_block(addr);
+        }
         self.core
             .lock()
             .range
@@ -580,6 +826,61 @@ impl Policy for SharedStitched {
     }
 
     fn check(&self) -> Result<(), String> {
+        if let Some(own) = self.own.as_ref() {
+            own.check()?;
+        }
         self.core.lock().check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs a window of operations in the shared range, `waits` yields in all.
+    fn window(c: &mut Contention, waits: u32) {
+        for i in 0..SPILL_WINDOW {
+            c.came(if i == 0 { waits } else { 0 });
+        }
+    }
+
+    fn spill_out(c: &mut Contention) -> u32 {
+        let mut n = 0;
+        while c.away > 0 {
+            c.spilled();
+            n += 1;
+        }
+        n / SPILL_WINDOW
+    }
+
+    #[test]
+    fn a_stream_spills_while_the_lock_stays_contended_and_comes_back_sooner_once_it_is_not() {
+        let mut c = Contention::default();
+        window(&mut c, SPILL_WAITS - 1);
+        assert_eq!(c.away, 0, "under the threshold: stays");
+        for i in 0..SPILL_WINDOW {
+            let began = c.came(if i == 0 { SPILL_WAITS } else { 0 });
+            assert_eq!(
+                began,
+                i == SPILL_WINDOW - 1,
+                "a spell begins as the window closes"
+            );
+        }
+        assert_eq!(spill_out(&mut c), SPILL_WINDOWS_MIN);
+        // Back and still contended: twice as long each time, up to the cap.
+        let mut last = SPILL_WINDOWS_MIN;
+        for _ in 0..12 {
+            window(&mut c, 10 * SPILL_WAITS);
+            let away = spill_out(&mut c);
+            assert_eq!(away, (2 * last).min(SPILL_WINDOWS_MAX));
+            last = away;
+        }
+        assert_eq!(last, SPILL_WINDOWS_MAX);
+        // Each quiet window halves the next stay.
+        window(&mut c, 0);
+        window(&mut c, 0);
+        assert_eq!(c.away, 0);
+        window(&mut c, SPILL_WAITS);
+        assert_eq!(spill_out(&mut c), SPILL_WINDOWS_MAX / 4);
     }
 }

@@ -176,6 +176,9 @@ impl Local {
 struct ShardPages {
     stream: Stream,
     base: u64,
+    /// Other shards may take its idle pages. Not a shared range's: its pages were last used
+    /// by any of its streams, which only the range's own slow path knows how to wait for.
+    lends: bool,
     local: Mutex<Local>,
 }
 
@@ -412,7 +415,13 @@ impl PagePool {
         c
     }
 
-    fn register(&self, stream: Stream, base: u64, pages: u64) -> (u32, Arc<ShardPages>) {
+    fn register(
+        &self,
+        stream: Stream,
+        base: u64,
+        pages: u64,
+        lends: bool,
+    ) -> (u32, Arc<ShardPages>) {
         let mut p = self.inner.lock();
         let mut local = Local {
             map: vec![NONE; pages as usize],
@@ -430,6 +439,7 @@ impl PagePool {
         let sh = Arc::new(ShardPages {
             stream,
             base,
+            lends,
             local: Mutex::new(local),
         });
         p.shards.push(sh.clone());
@@ -563,7 +573,8 @@ impl PagePool {
             let slot = all.guards[m].map[v as usize];
             if slot != NONE {
                 let owner = p.phys[slot as usize].as_ref().expect("mapped slot").owner;
-                let shared = owner == me || !own_peaks || p.held >= budget;
+                let shared = owner == me
+                    || (shards[owner as usize].lends && (!own_peaks || p.held >= budget));
                 if shared && all.guards[owner as usize].idle.remove(slot) {
                     taken.push((slot, owner));
                     picked.push((v, slot));
@@ -572,7 +583,14 @@ impl PagePool {
             }
             todo.push(v);
         }
-        let idle_total = |all: &AllLocals| all.guards.iter().map(|l| l.idle.len()).sum::<usize>();
+        // Idle pages this shard may take: its own, and those of shards that lend.
+        let may_take = |i: usize| i == m || shards[i].lends;
+        let idle_total = |all: &AllLocals| {
+            (0..all.guards.len())
+                .filter(|&i| may_take(i))
+                .map(|i| all.guards[i].idle.len())
+                .sum::<usize>()
+        };
         for &v in &todo {
             let want_new = idle_total(&all) == 0 || p.held < budget || d.reserve_unused() > 0;
             let mut slot = None;
@@ -597,6 +615,7 @@ impl PagePool {
                     // The least recently idled page of any stream. (Replays showed that
                     // predicting reuse from each virtual page's past idle gaps does no better.)
                     let (_, i, s) = (0..all.guards.len())
+                        .filter(|&i| may_take(i))
                         .filter_map(|i| {
                             let l = &all.guards[i];
                             l.idle.front().map(|s| (l.stamp[s as usize], i, s))
@@ -1285,6 +1304,8 @@ pub struct Stitched {
     /// Place a block smaller than a page at the high end of its free block when that touches
     /// fewer untouched pages than the low end (see [`Stitched::page_aware`]).
     page_aware: bool,
+    /// Other streams' ranges may take this range's idle pages (see [`Stitched::keeps_pages`]).
+    lends: bool,
 }
 
 impl Stitched {
@@ -1305,6 +1326,7 @@ impl Stitched {
             scratch: ClaimScratch::default(),
             mark_due: false,
             page_aware: false,
+            lends: true,
         }
     }
 
@@ -1316,6 +1338,19 @@ impl Stitched {
     pub(crate) fn page_aware(mut self) -> Self {
         self.page_aware = true;
         self
+    }
+
+    /// Keeps this range's idle pages from other streams' ranges: a shared range's, whose
+    /// pages any of its streams may have used last (the range takes other ranges' pages, and
+    /// gives them back through `release_cached`).
+    pub(crate) fn keeps_pages(mut self) -> Self {
+        self.lends = false;
+        self
+    }
+
+    /// Whether `addr` lies in this range's virtual space.
+    pub(crate) fn holds(&self, addr: u64) -> bool {
+        self.shard != NONE && addr >= self.base && addr - self.base < self.va_bytes
     }
 
     /// Addresses of the live (allocated or pending) blocks.
@@ -1350,7 +1385,7 @@ impl Stitched {
         self.touch = vec![0; pages as usize];
         self.set
             .add_segment(base, self.va_bytes, Pool::Large, State::Free);
-        let (shard, sp) = self.pool.register(self.stream, base, pages);
+        let (shard, sp) = self.pool.register(self.stream, base, pages, self.lends);
         self.shard = shard;
         self.pages = Some(sp);
         Ok(())
