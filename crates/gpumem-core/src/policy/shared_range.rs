@@ -36,7 +36,7 @@ use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Events kept per stream (the oldest is destroyed when a new one comes).
 const EVENTS_KEPT: usize = 64;
@@ -405,7 +405,9 @@ impl SharedCore {
             None => self.range().free(addr, dev)?,
         };
         if let Some(size) = freed {
-            self.owner.remove(&addr);
+            if self.shared {
+                self.owner.remove(&addr);
+            }
             self.freed(me, addr, size);
         }
         Ok(freed)
@@ -535,10 +537,10 @@ impl SpillCount {
 #[derive(Debug, Default)]
 struct Contention {
     /// Allocations and frees in the shared range in the current window, when its first one
-    /// came, and the time they waited for the lock.
+    /// came, and the nanoseconds they waited for the lock.
     ops: u32,
     start: Option<Instant>,
-    waited: Duration,
+    waited_ns: u64,
     /// Allocations spilled in the current window.
     spilled: u32,
     /// Windows left to spill for (0: placing in the shared range).
@@ -548,24 +550,33 @@ struct Contention {
 }
 
 impl Contention {
-    /// Counts an allocation or free in the shared range that waited `waited` for the lock.
+    /// Counts an allocation or free in the shared range that waited `waited_ns` for the lock.
     /// Returns whether the stream begins to spill (at the end of a window). During a spill
-    /// the stream's frees of its blocks in the shared range are not counted.
-    fn came(&mut self, waited: Duration) -> bool {
+    /// the stream's frees of its blocks in the shared range are not counted. One clock read
+    /// per window, and one around each wait: none on an uncontended lock's path.
+    #[inline]
+    fn came(&mut self, waited_ns: u64) -> bool {
         if self.away > 0 {
             return false;
         }
-        // One clock read per window and per wait: none on an uncontended lock's fast path.
-        let start = *self.start.get_or_insert_with(Instant::now);
         self.ops += 1;
-        self.waited += waited;
-        if self.ops < SPILL_WINDOW {
-            return false;
+        self.waited_ns += waited_ns;
+        if self.ops == 1 {
+            self.start = Some(Instant::now());
         }
-        let wall = start.elapsed().max(self.waited);
+        self.ops == SPILL_WINDOW && self.close_window()
+    }
+
+    /// Decides at the end of a window whether the stream spills.
+    #[cold]
+    fn close_window(&mut self) -> bool {
+        let wall_ns = self
+            .start
+            .map_or(0, |t| t.elapsed().as_nanos() as u64)
+            .max(self.waited_ns);
         let next = self.next_away.max(SPILL_WINDOWS_MIN);
-        let spill = self.waited.as_secs_f64() >= SPILL_WAIT_SHARE * wall.as_secs_f64()
-            && !self.waited.is_zero();
+        let spill =
+            self.waited_ns > 0 && self.waited_ns as f64 >= SPILL_WAIT_SHARE * wall_ns as f64;
         if spill {
             self.away = next;
             self.next_away = (next * 2).min(SPILL_WINDOWS_MAX);
@@ -574,7 +585,7 @@ impl Contention {
         }
         self.ops = 0;
         self.start = None;
-        self.waited = Duration::ZERO;
+        self.waited_ns = 0;
         spill
     }
 
@@ -645,11 +656,11 @@ impl SharedStitched {
     /// The shared range, locked; counts whether another thread held it.
     fn lock_core(&mut self) -> spin::mutex::SpinMutexGuard<'_, SharedCore, spin::relax::Yield> {
         let (core, waited) = match self.core.try_lock() {
-            Some(c) => (c, Duration::ZERO),
+            Some(c) => (c, 0),
             None => {
                 let t = Instant::now();
                 let c = self.core.lock();
-                (c, t.elapsed())
+                (c, t.elapsed().as_nanos() as u64)
             }
         };
         if self.contention.came(waited) {
@@ -853,13 +864,15 @@ impl Policy for SharedStitched {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// Runs a window of operations in the shared range that waited `waited` in all; returns
     /// whether the stream began to spill.
     fn window(c: &mut Contention, waited: Duration) -> bool {
+        let waited = waited.as_nanos() as u64;
         let mut began = false;
         for i in 0..SPILL_WINDOW {
-            let b = c.came(if i == 0 { waited } else { Duration::ZERO });
+            let b = c.came(if i == 0 { waited } else { 0 });
             assert!(!b || i == SPILL_WINDOW - 1, "decided at the window's end");
             began |= b;
         }
@@ -884,7 +897,10 @@ mod tests {
         let mut c = Contention::default();
         assert!(!window(&mut c, Duration::ZERO), "no wait: stays");
         assert!(window(&mut c, LONG), "waiting most of the time: spills");
-        assert!(!c.came(LONG), "its frees during the spill do not count");
+        assert!(
+            !c.came(LONG.as_nanos() as u64),
+            "its frees during the spill do not count"
+        );
         assert_eq!(spill_out(&mut c), SPILL_WINDOWS_MIN);
         // Back and still contended: twice as long each time, up to the cap.
         let mut last = SPILL_WINDOWS_MIN;
@@ -905,10 +921,10 @@ mod tests {
     #[test]
     fn a_short_wait_in_a_long_window_does_not_spill() {
         let mut c = Contention::default();
-        c.came(Duration::from_micros(1));
+        c.came(1_000);
         std::thread::sleep(Duration::from_millis(20));
         for _ in 1..SPILL_WINDOW {
-            assert!(!c.came(Duration::ZERO));
+            assert!(!c.came(0));
         }
         assert_eq!(c.away, 0);
     }
