@@ -602,6 +602,18 @@ impl Contention {
     }
 }
 
+type CoreGuard<'a> = spin::mutex::SpinMutexGuard<'a, SharedCore, spin::relax::Yield>;
+
+/// Waits for the shared range's lock, held by another thread; returns it with the nanoseconds
+/// waited. Out of line: the uncontended path only tries the lock.
+#[cold]
+#[inline(never)]
+fn wait_for(core: &CoreLock) -> (CoreGuard<'_>, u64) {
+    let t = Instant::now();
+    let c = core.lock();
+    (c, t.elapsed().as_nanos() as u64)
+}
+
 /// One stream's handle on a device's shared range, and the stream's own range for the
 /// allocations it spills (see [`Spill`]).
 ///
@@ -653,15 +665,12 @@ impl SharedStitched {
         }
     }
 
-    /// The shared range, locked; counts whether another thread held it.
-    fn lock_core(&mut self) -> spin::mutex::SpinMutexGuard<'_, SharedCore, spin::relax::Yield> {
+    /// The shared range, locked; counts how long another thread held it.
+    #[inline]
+    fn lock_core(&mut self) -> CoreGuard<'_> {
         let (core, waited) = match self.core.try_lock() {
             Some(c) => (c, 0),
-            None => {
-                let t = Instant::now();
-                let c = self.core.lock();
-                (c, t.elapsed().as_nanos() as u64)
-            }
+            None => wait_for(&self.core),
         };
         if self.contention.came(waited) {
             self.counted.spells.fetch_add(1, Ordering::Relaxed);
@@ -670,6 +679,7 @@ impl SharedStitched {
     }
 
     /// Whether this allocation goes to the stream's own range.
+    #[inline]
     fn spills(&mut self) -> bool {
         self.allocs += 1;
         match self.spill {
