@@ -25,6 +25,10 @@
 //! Each stream's engine shard holds a [`SharedStitched`], a handle on the one [`SharedCore`].
 //! The first handle made reports the range's statistics and segments, and releases its cached
 //! memory, so that the engine's passes over its shards count and do them once.
+//!
+//! A stream whose operations spend a quarter of their time waiting for the one lock spills:
+//! its next allocations go to a range of its own on the same page pool, for a while (see
+//! [`Spill`]). The shared range may take that range's idle pages, never the reverse.
 
 use super::stitched::{Order, PagePool, Stitched};
 use super::{Placement, Policy, SegmentInfo};
@@ -474,8 +478,8 @@ impl SharedCore {
 /// mutex, H200).
 pub type CoreLock = spin::mutex::SpinMutex<SharedCore, spin::relax::Yield>;
 
-/// Allocations and frees of a stream in the shared range over which it counts how often the
-/// range's lock was held by another thread when it came; and allocations a spill lasts.
+/// Allocations and frees of a stream in the shared range over which it measures the share of
+/// time it spent waiting for the range's lock; and allocations a spill lasts, in windows.
 const SPILL_WINDOW: u32 = 256;
 
 /// Share of a window's time (from its first operation to its last) that the stream spent
