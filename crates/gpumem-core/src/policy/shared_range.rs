@@ -225,6 +225,8 @@ pub struct SharedCore {
     prune_at: usize,
     /// Scratch list of `Order::Shared`'s `moved_in`.
     moved_in: Vec<u32>,
+    /// Scratch list of the freed records a block overlaps (see `overlapping`).
+    over: Vec<(u64, Dirty)>,
 }
 
 impl SharedCore {
@@ -242,6 +244,7 @@ impl SharedCore {
             shared: false,
             prune_at: DIRTY_PRUNE_AT,
             moved_in: Vec::new(),
+            over: Vec::new(),
         }
     }
 
@@ -290,6 +293,7 @@ impl SharedCore {
     ) -> Result<(), BackendError> {
         let over = self.overlapping(addr, end);
         if over.is_empty() {
+            self.over = over;
             return Ok(());
         }
         let to = Wait::Device(self.clocks.stream(me));
@@ -302,9 +306,11 @@ impl SharedCore {
         Ok(())
     }
 
-    /// The freed records that overlap `[addr, end)`.
-    fn overlapping(&self, addr: u64, end: u64) -> Vec<(u64, Dirty)> {
-        let mut over: Vec<(u64, Dirty)> = Vec::new();
+    /// The freed records that overlap `[addr, end)`, in the scratch list `self.over` (taken
+    /// out; `cut` puts it back).
+    fn overlapping(&mut self, addr: u64, end: u64) -> Vec<(u64, Dirty)> {
+        let mut over = std::mem::take(&mut self.over);
+        over.clear();
         if let Some((&a, &r)) = self.dirty.range(..addr).next_back() {
             if r.end > addr {
                 over.push((a, r));
@@ -317,7 +323,7 @@ impl SharedCore {
     /// Removes `[addr, end)` from the records `over` (its overlapping ones), keeping their
     /// parts outside it.
     fn cut(&mut self, addr: u64, end: u64, over: Vec<(u64, Dirty)>) {
-        for (a, r) in over {
+        for &(a, r) in &over {
             self.dirty.remove(&a);
             if a < addr {
                 self.dirty.insert(a, Dirty { end: addr, ..r });
@@ -326,6 +332,7 @@ impl SharedCore {
                 self.dirty.insert(end, r);
             }
         }
+        self.over = over;
     }
 
     /// Stream `me` freed `[addr, addr + size)`.
