@@ -225,7 +225,7 @@ pub struct SharedCore {
     prune_at: usize,
     /// Scratch list of `Order::Shared`'s `moved_in`.
     moved_in: Vec<u32>,
-    /// Scratch list of the freed records a block overlaps (see `overlapping`).
+    /// Scratch list of the freed records a block overlaps (see `find_overlapping`).
     over: Vec<(u64, Dirty)>,
 }
 
@@ -291,39 +291,37 @@ impl SharedCore {
         addr: u64,
         end: u64,
     ) -> Result<(), BackendError> {
-        let over = self.overlapping(addr, end);
-        if over.is_empty() {
-            self.over = over;
+        self.find_overlapping(addr, end);
+        if self.over.is_empty() {
             return Ok(());
         }
         let to = Wait::Device(self.clocks.stream(me));
-        for &(_, r) in &over {
+        for &(_, r) in &self.over {
             if r.stream != me {
                 self.clocks.settle(d, &self.pool, r.stream, r.stamp, to)?;
             }
         }
-        self.cut(addr, end, over);
+        self.cut(addr, end);
         Ok(())
     }
 
-    /// The freed records that overlap `[addr, end)`, in the scratch list `self.over` (taken
-    /// out; `cut` puts it back).
-    fn overlapping(&mut self, addr: u64, end: u64) -> Vec<(u64, Dirty)> {
-        let mut over = std::mem::take(&mut self.over);
-        over.clear();
+    /// Lists the freed records that overlap `[addr, end)` in `self.over` (a scratch list kept
+    /// between calls, so that listing allocates nothing).
+    fn find_overlapping(&mut self, addr: u64, end: u64) {
+        self.over.clear();
         if let Some((&a, &r)) = self.dirty.range(..addr).next_back() {
             if r.end > addr {
-                over.push((a, r));
+                self.over.push((a, r));
             }
         }
-        over.extend(self.dirty.range(addr..end).map(|(&a, &r)| (a, r)));
-        over
+        self.over
+            .extend(self.dirty.range(addr..end).map(|(&a, &r)| (a, r)));
     }
 
-    /// Removes `[addr, end)` from the records `over` (its overlapping ones), keeping their
+    /// Removes `[addr, end)` from the records listed by `find_overlapping`, keeping their
     /// parts outside it.
-    fn cut(&mut self, addr: u64, end: u64, over: Vec<(u64, Dirty)>) {
-        for &(a, r) in &over {
+    fn cut(&mut self, addr: u64, end: u64) {
+        for &(a, r) in &self.over {
             self.dirty.remove(&a);
             if a < addr {
                 self.dirty.insert(a, Dirty { end: addr, ..r });
@@ -332,7 +330,6 @@ impl SharedCore {
                 self.dirty.insert(end, r);
             }
         }
-        self.over = over;
     }
 
     /// Stream `me` freed `[addr, addr + size)`.
@@ -342,8 +339,8 @@ impl SharedCore {
         if !self.shared {
             return;
         }
-        let over = self.overlapping(addr, addr + size);
-        self.cut(addr, addr + size, over);
+        self.find_overlapping(addr, addr + size);
+        self.cut(addr, addr + size);
         self.dirty.insert(
             addr,
             Dirty {
@@ -683,7 +680,7 @@ impl SharedStitched {
             Some(c) => (c, 0),
             None => wait_for(&self.core),
         };
-        if self.contention.came(waited) {
+        if self.spill == Spill::Auto && self.contention.came(waited) {
             self.counted.spells.fetch_add(1, Ordering::Relaxed);
         }
         core
@@ -692,11 +689,13 @@ impl SharedStitched {
     /// Whether this allocation goes to the stream's own range.
     #[inline]
     fn spills(&mut self) -> bool {
-        self.allocs += 1;
         match self.spill {
             Spill::Off => false,
             Spill::Auto => self.contention.away > 0,
-            Spill::Every(n) => self.allocs % n as u64 == 0,
+            Spill::Every(n) => {
+                self.allocs += 1;
+                self.allocs % n as u64 == 0
+            }
         }
     }
 

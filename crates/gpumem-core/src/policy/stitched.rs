@@ -569,12 +569,14 @@ impl PagePool {
         let mut taken: Vec<(u32, u32)> = Vec::new(); // (slot, previous owner) to undo
         let mut created: Vec<u32> = Vec::new();
         let mut todo: Vec<u32> = Vec::new();
+        // Idle pages this shard may take: its own, and those of shards that lend.
+        let may_take = |i: usize| i == m || shards[i].lends;
         for &v in need {
             let slot = all.guards[m].map[v as usize];
             if slot != NONE {
                 let owner = p.phys[slot as usize].as_ref().expect("mapped slot").owner;
-                let shared = owner == me
-                    || (shards[owner as usize].lends && (!own_peaks || p.held >= budget));
+                let shared =
+                    may_take(owner as usize) && (owner == me || !own_peaks || p.held >= budget);
                 if shared && all.guards[owner as usize].idle.remove(slot) {
                     taken.push((slot, owner));
                     picked.push((v, slot));
@@ -583,8 +585,6 @@ impl PagePool {
             }
             todo.push(v);
         }
-        // Idle pages this shard may take: its own, and those of shards that lend.
-        let may_take = |i: usize| i == m || shards[i].lends;
         let idle_total = |all: &AllLocals| {
             (0..all.guards.len())
                 .filter(|&i| may_take(i))
