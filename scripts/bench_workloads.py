@@ -48,6 +48,9 @@ out-of-memory error and its peak held stayed under the cap (cudaMallocAsync enfo
 fraction on live bytes only, so its held peak is checked afterwards).
 
 Results: a table on stdout (last), JSON lines in $OUT/bench_workloads.jsonl (or --out).
+With GPUMEM_BENCH_STEP_CALLS=1, gpumem's runs also record the driver calls of every step
+(gpumem_step_driver_calls: per step, {call: [count, host seconds]}), to set each step's time
+beside them; reading them after every step costs a little host time, so it is off by default.
 """
 
 from __future__ import annotations
@@ -292,6 +295,13 @@ def child(args) -> None:
     times = []
     oom = None
     calls_after_warmup = None
+    # GPUMEM_BENCH_STEP_CALLS=1: gpumem's driver calls after every step, to set each step's
+    # time beside its driver calls (off by default: reading them costs host time).
+    step_calls = None
+    if is_gpumem(args.allocator) and os.environ.get("GPUMEM_BENCH_STEP_CALLS") == "1":
+        import gpumem
+
+        step_calls = []
     t = time.perf_counter()
     try:
         for _ in make_workload(torch, args.workload, steps, args.batch):
@@ -302,6 +312,9 @@ def child(args) -> None:
                 import gpumem
 
                 calls_after_warmup = gpumem.torch.driver_calls()
+            if step_calls is not None:
+                # Outside the timed span: the step's clock restarts below.
+                step_calls.append(gpumem.torch.driver_calls())
             free, _ = torch.cuda.mem_get_info()
             used_peak = max(used_peak, total - free)
             t = time.perf_counter()
@@ -354,6 +367,16 @@ def child(args) -> None:
             out["gpumem_timed_driver_calls"] = timed
             n_timed = max(1, len(times) - spec["warmup"])
             out["gpumem_driver_s_per_step"] = sum(v["seconds"] for v in timed.values()) / n_timed
+        if step_calls:
+            # Per step: {kind: [calls, host seconds]} made during that step.
+            per_step, prev = [], {}
+            for snap in step_calls:
+                per_step.append({k: [v["calls"] - prev.get(k, {}).get("calls", 0),
+                                     v["seconds"] - prev.get(k, {}).get("seconds", 0.0)]
+                                 for k, v in snap.items()
+                                 if v["calls"] > prev.get(k, {}).get("calls", 0)})
+                prev = snap
+            out["gpumem_step_driver_calls"] = per_step
         out["gpumem_policy_notes"] = gpumem.torch.policy_notes()
         out["gpumem_errors"] = gpumem.torch.error_counts()
         out["gpumem_oom_exception"] = gpumem.torch.oom_exception()
