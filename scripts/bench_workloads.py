@@ -51,6 +51,8 @@ Results: a table on stdout (last), JSON lines in $OUT/bench_workloads.jsonl (or 
 With GPUMEM_BENCH_STEP_CALLS=1, gpumem's runs also record the driver calls of every step
 (gpumem_step_driver_calls: per step, {call: [count, host seconds]}), to set each step's time
 beside them; reading them after every step costs a little host time, so it is off by default.
+With GPUMEM_BENCH_SNAPSHOT_DIR=DIR, each gpumem run also writes its snapshot there (with its
+allocation history if GPUMEM_CONF has history:N).
 """
 
 from __future__ import annotations
@@ -378,6 +380,14 @@ def child(args) -> None:
                 prev = snap
             out["gpumem_step_driver_calls"] = per_step
         out["gpumem_policy_notes"] = gpumem.torch.policy_notes()
+        snap_dir = os.environ.get("GPUMEM_BENCH_SNAPSHOT_DIR")
+        if snap_dir:
+            # The run's allocation history (GPUMEM_CONF=history:N records it), readable by
+            # `gpumem replay` and PyTorch's visualizer: to compare runs event by event.
+            os.makedirs(snap_dir, exist_ok=True)
+            path = os.path.join(snap_dir, f"{args.workload}.{args.allocator}.{os.getpid()}.pickle")
+            gpumem.torch.dump_snapshot(path)
+            out["gpumem_snapshot"] = path
         out["gpumem_errors"] = gpumem.torch.error_counts()
         out["gpumem_oom_exception"] = gpumem.torch.oom_exception()
     print(json.dumps(out), flush=True)
