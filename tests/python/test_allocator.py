@@ -190,7 +190,9 @@ def test_streams_stop_trading_pages_once_it_costs_more_than_the_budget():
     # The pool holds one stream's worth of pages, so each turn takes them from the stream
     # before: on the simulated device every move costs its modelled driver time, far more than
     # the wall time of a turn, so a budget of 1 % is spent within the first 100 ms window.
-    a = sim("policy:stitched,trade_budget:0.01")
+    # Ranges per stream: this one thread allocates on all four streams, which by default
+    # (range:auto) would put them in one shared range, with no pages to trade.
+    a = sim("policy:stitched,trade_budget:0.01,range:stream")
     _streams_take_turns(a, seconds=5.0)
     notes = a.policy_notes()
     assert len(notes) == 1 and "stopped taking each other's idle pages" in notes[0], notes
@@ -201,7 +203,7 @@ def test_streams_stop_trading_pages_once_it_costs_more_than_the_budget():
     assert sum(a.driver_calls().values()) - calls < 200
     assert a.held_bytes >= 4 * 8 * MIB
 
-    off = sim("policy:stitched,trade_budget:off")
+    off = sim("policy:stitched,trade_budget:off,range:stream")
     _streams_take_turns(off, rounds=400)
     assert off.policy_notes() == []
     calls = sum(off.driver_calls().values())

@@ -242,7 +242,12 @@ def test_snapshot_of_a_device_holds_its_blocks(tmp_path):
     check_snapshot_shape(snap)
     assert live_blocks(snap)[p] == (9 * MIB, 9 * MIB, "large")
     assert all(s["device"] == dev for s in snap["segments"])
-    assert {s["stream"] for s in snap["segments"] if p in [b["address"] for b in s["blocks"]]} == {0x77}
+    # Run after the summary test, this thread has allocated on stream 0 of the device before:
+    # a second stream puts the device's streams in one range (range:auto), whose segments
+    # carry the stream it was made for. Run alone, the block's segment is its stream's own.
+    joined = any("range:auto" in n for n in gpumem.torch.policy_notes(dev))
+    streams = {s["stream"] for s in snap["segments"] if p in [b["address"] for b in s["blocks"]]}
+    assert streams == ({0} if joined else {0x77}), (streams, joined)
     assert gpumem.torch.memory_snapshot(dev) == snap["segments"]
     path = tmp_path / "dev0.pickle"
     gpumem.torch.dump_snapshot(str(path), dev)

@@ -195,11 +195,13 @@ print(json.dumps({"same_block": y.data_ptr() == x_ptr, "y_intact": bool((y == 2.
 """
 
 
-def test_a_shared_range_hands_a_block_to_another_stream_behind_its_work():
-    # range:shared: a block freed on one stream may go to another at once, and that stream
-    # then waits (on the device) for the first one's queued work, so the late write to x lands
+@pytest.mark.parametrize("conf", ["range:shared", ""])
+def test_a_shared_range_hands_a_block_to_another_stream_behind_its_work(conf):
+    # range:shared, and the default (range:auto) once this one thread has allocated on both
+    # streams: a block freed on one stream may go to another at once, and that stream then
+    # waits (on the device) for the first one's queued work, so the late write to x lands
     # before y's fill.
-    r = run_python(SHARED_HANDOVER.replace("CONF", repr("range:shared")))
+    r = run_python(SHARED_HANDOVER.replace("CONF", repr(conf)))
     if not r["a_busy"]:
         pytest.skip(f"could not keep stream a busy, so the race cannot be shown: {r}")
     assert r["same_block"], ("the shared range did not hand x's block to stream b", r)
@@ -207,8 +209,8 @@ def test_a_shared_range_hands_a_block_to_another_stream_behind_its_work():
 
 
 def test_ranges_per_stream_never_hand_a_block_to_another_stream():
-    # The default, for contrast: each stream places its blocks in a range of its own.
-    r = run_python(SHARED_HANDOVER.replace("CONF", repr("")))
+    # range:stream, for contrast: each stream places its blocks in a range of its own.
+    r = run_python(SHARED_HANDOVER.replace("CONF", repr("range:stream")))
     assert not r["same_block"], r
     assert r["y_intact"], r
 

@@ -10,8 +10,8 @@
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
-//! | `range` | stream, shared | stitched: one virtual range per stream (default), or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all) |
-//! | `spill` | auto, off, n ≥ 1 | stitched, with `range:shared`: when a stream places blocks in a range of its own; auto (default): while the shared range's lock is contended (threads that do nothing but allocate); n: every n-th allocation (a testing aid) |
+//! | `range` | auto, stream, shared | stitched: one virtual range per stream, or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all); auto (default): a range per stream until one thread allocates on a second stream (a pipeline), then one shared range |
+//! | `spill` | auto, off, n ≥ 1 | stitched, with `range:shared` (or `range:auto` once shared): when a stream places blocks in a range of its own; auto (default): while the shared range's lock is contended (threads that do nothing but allocate); n: every n-th allocation (a testing aid) |
 //! | `trade_budget` | 0 < f ≤ 1, or `off` | stitched, several streams: share of the time that moving idle pages between streams may cost before the streams keep their own peaks instead (default 0.1) |
 //! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |
 //! | `leak_check` | 0/1 | track live allocations (for leak reports) |
@@ -21,6 +21,7 @@
 use crate::backend::CostModel;
 use crate::error::AllocError;
 use crate::policy::shared_range::Spill;
+use crate::policy::RangeMode;
 use crate::policy::{PolicyKind, PolicyOptions};
 use crate::units::parse_size;
 
@@ -193,7 +194,18 @@ impl Config {
                         })?
                 }
                 "stream_pages" => c.options.own_stream_peaks = one_of(k, v, "shared", "own")?,
-                "range" => c.options.shared_range = one_of(k, v, "stream", "shared")?,
+                "range" => {
+                    c.options.range = match v {
+                        "auto" => RangeMode::Auto,
+                        "stream" => RangeMode::Stream,
+                        "shared" => RangeMode::Shared,
+                        _ => {
+                            return Err(AllocError::Config(format!(
+                                "range:{v}: expected auto, stream or shared"
+                            )))
+                        }
+                    }
+                }
                 "spill" => {
                     c.options.spill = match v {
                         "auto" => Spill::Auto,
@@ -292,9 +304,19 @@ mod tests {
             Config::parse("stream_pages:shared").unwrap(),
             Config::default()
         );
-        assert!(!Config::default().options.shared_range);
-        assert!(Config::parse("range:shared").unwrap().options.shared_range);
-        assert!(!Config::parse("range:stream").unwrap().options.shared_range);
+        assert_eq!(Config::default().options.range, RangeMode::Auto);
+        assert_eq!(
+            Config::parse("range:shared").unwrap().options.range,
+            RangeMode::Shared
+        );
+        assert_eq!(
+            Config::parse("range:stream").unwrap().options.range,
+            RangeMode::Stream
+        );
+        assert_eq!(
+            Config::parse("range:auto").unwrap().options.range,
+            RangeMode::Auto
+        );
         assert_eq!(Config::default().options.spill, Spill::Auto);
         assert_eq!(
             Config::parse("spill:off").unwrap().options.spill,
@@ -364,7 +386,7 @@ mod tests {
             ("colour:blue", "unknown key 'colour'"),
             ("slack:-1", "slack"),
             ("stream_pages:mine", "expected shared or own"),
-            ("range:one", "expected stream or shared"),
+            ("range:one", "expected auto, stream or shared"),
             ("spill:0", "expected auto, off or a count"),
             ("spill:sometimes", "expected auto, off or a count"),
             ("trade_budget:0", "trade_budget"),

@@ -296,9 +296,9 @@ fn small_blocks_of_two_streams_share_a_page() {
     };
     assert_eq!(held(SHARED), (PAGE, 1), "one page for both streams' blocks");
     assert_eq!(
-        held("policy:stitched"),
+        held("policy:stitched,range:stream"),
         (2 * PAGE, 0),
-        "a page per stream's range by default"
+        "a page per stream's range"
     );
 }
 
@@ -342,6 +342,81 @@ fn a_block_used_on_another_stream_waits_for_that_stream_then_for_its_own() {
     t.alloc.check().unwrap();
 }
 
+/// `range:auto`, the default: a range per stream until one thread allocates on a second
+/// stream (as a prefetch pipeline does), then one range shared by the streams, joined before
+/// the second stream places anything; stream order holds byte by byte across the switch.
+#[test]
+fn a_thread_that_allocates_on_two_streams_puts_them_in_one_range() {
+    let joined = |t: &ByteAudit| {
+        t.alloc
+            .policy_notes()
+            .iter()
+            .any(|n| n.contains("range:auto"))
+    };
+    let mut t = ByteAudit::new("policy:stitched,slack:0", 1 << 30);
+    let a = t.allocate(4 * MIB, S1);
+    assert!(!joined(&t), "one stream: a range of its own");
+    // This thread's first allocation on S2: the streams share a range from now on, and S2's
+    // first block is already in it.
+    let b = t.allocate(64 << 10, S2);
+    assert!(joined(&t), "{:?}", t.alloc.policy_notes());
+    let c = t.allocate(64 << 10, S1);
+    assert_eq!(t.mixed_pages, 1, "S1's new block shares S2's page");
+    assert_eq!(
+        t.alloc.held_bytes(),
+        3 * PAGE,
+        "a's two pages in S1's own range, one shared"
+    );
+    // S1's block in its own range goes back there; the shared range takes that range's idle
+    // pages, through events: 8 MiB after the small blocks need four more pages, two new (up
+    // to the peak in use) and a's two.
+    t.free(&a, None);
+    let d = t.allocate(8 * MIB, S2);
+    assert_eq!(t.alloc.held_bytes(), 5 * PAGE, "a's pages reused, two new");
+    assert!(t.handovers > 0, "no bytes changed streams");
+    for z in [b, c, d] {
+        t.free(&z, None);
+    }
+    t.alloc.check().unwrap();
+}
+
+/// Threads that each allocate on their own stream keep ranges of their own with `range:auto`
+/// (no lock shared between threads): the streams never share a page.
+#[test]
+fn threads_on_their_own_streams_keep_their_own_ranges_by_default() {
+    let (sim, _ctl) = SimBackend::new(SimConfig::default());
+    let alloc = std::sync::Arc::new(
+        Allocator::new(Box::new(sim), Config::parse("policy:stitched").unwrap()).unwrap(),
+    );
+    let handles: Vec<_> = [S1, S2]
+        .into_iter()
+        .map(|s| {
+            let alloc = alloc.clone();
+            std::thread::spawn(move || {
+                let a = alloc.allocate(64 << 10, s).unwrap();
+                alloc.free_allocation(&a).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert!(
+        !alloc
+            .policy_notes()
+            .iter()
+            .any(|n| n.contains("range:auto")),
+        "{:?}",
+        alloc.policy_notes()
+    );
+    assert_eq!(
+        alloc.peak_held_bytes(),
+        2 * PAGE,
+        "a page per stream's range"
+    );
+    alloc.check().unwrap();
+}
+
 /// Replays `path` under the audit with `conf` (see [`replay_trace`]).
 fn replay(path: &str, conf: &str) -> ByteAudit {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -362,6 +437,17 @@ fn two_stream_trace_respects_stream_order_in_a_shared_range() {
         "no bytes changed streams: the audit saw nothing"
     );
     assert!(t.mixed_pages > 0, "the streams never shared a page");
+}
+
+/// The default (`range:auto`) on the two-stream trace: the replay's one thread allocates on
+/// both streams, so they share a range from the second stream's first allocation.
+#[test]
+fn two_stream_trace_respects_stream_order_by_default() {
+    let t = replay("traces/anchors/prefetch_mlp.gmt.gz", "policy:stitched");
+    assert!(t.handovers > 0, "no bytes changed streams");
+    assert!(t.mixed_pages > 0, "the streams never shared a page");
+    let notes = t.alloc.policy_notes();
+    assert!(notes.iter().any(|n| n.contains("range:auto")), "{notes:?}");
 }
 
 #[test]
@@ -423,9 +509,33 @@ fn a_range_of_its_own_never_takes_the_shared_ranges_idle_pages() {
     t.alloc.check().unwrap();
 }
 
+/// Pages a stream idled in its own range, taken by another stream in the shared range: that
+/// stream waits for the first one's work (before the fix, the wait went on the stream the
+/// shared range's shard was made for, here the first stream itself, which orders nothing).
+#[test]
+fn pages_from_a_range_of_its_own_reach_another_stream_in_order() {
+    // spill:2: a stream's odd allocations go to the shared range, its even ones to its own.
+    let mut t = ByteAudit::new(&format!("{SHARED},spill:2,slack:0"), 1 << 30);
+    let a1 = t.allocate(64 << 10, S1); // shared range (made for S1)
+    let a2 = t.allocate(4 * MIB, S1); // S1's own range: two pages
+    let b1 = t.allocate(64 << 10, S2); // S2 joins the shared range now
+    let b2 = t.allocate(64 << 10, S2); // S2's own range
+    t.free(&a2, None); // after S2 joined: nothing S2 waited for covers it
+    let before = t.handovers;
+    let b3 = t.allocate(8 * MIB, S2); // shared range: new pages up to the peak, then S1's
+    assert!(t.handovers > before, "S1's idle pages were not taken");
+    for x in [a1, b1, b2, b3] {
+        t.free(&x, None);
+    }
+    t.alloc.check().unwrap();
+}
+
 #[test]
 fn ranges_per_stream_pass_the_same_audit_and_never_mix_pages() {
-    let t = replay("traces/anchors/prefetch_mlp.gmt.gz", "policy:stitched");
+    let t = replay(
+        "traces/anchors/prefetch_mlp.gmt.gz",
+        "policy:stitched,range:stream",
+    );
     assert!(t.handovers > 0);
     assert_eq!(t.mixed_pages, 0);
 }

@@ -238,7 +238,9 @@ fn an_emptied_snapshot_replays_in_the_visualizer() {
 
 #[test]
 fn idle_pages_of_a_stream_keep_their_stream() {
-    let (a, _) = alloc_with("policy:stitched,history:10000", sim_small());
+    // Ranges per stream: this one thread allocates on two streams, which by default
+    // (`range:auto`) puts them in one shared range, reported as its first stream's.
+    let (a, _) = alloc_with("policy:stitched,range:stream,history:10000", sim_small());
     let _p0 = a.allocate(6 * MIB, 0).unwrap();
     let p1 = a.allocate(6 * MIB, 1).unwrap();
     a.free_allocation(&p1).unwrap();

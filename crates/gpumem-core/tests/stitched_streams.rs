@@ -7,6 +7,10 @@
 //!   on that stream and waited for by the new one, in the same call;
 //! - a block freed with a use on another stream keeps its pages until that stream's event has
 //!   completed (the pages stay "in use" in the audit until then).
+//!
+//! These are the rules of ranges per stream (`range:stream`), which every configuration here
+//! asks for: one thread allocating on several streams, as these tests do, would otherwise put
+//! them in one shared range (`range:auto`, audited byte by byte in `shared_range.rs`).
 
 mod common;
 
@@ -38,7 +42,7 @@ struct Audit {
 
 impl Audit {
     fn new(conf: &str, total: u64) -> Audit {
-        let (alloc, ctl) = audited_sim(conf, total);
+        let (alloc, ctl) = audited_sim(&format!("{conf},range:stream"), total);
         Audit {
             alloc,
             ctl,
@@ -276,7 +280,8 @@ fn four_streams_churning(conf: &str, us_per_round: u64) -> (u64, Allocator) {
         event_mode: EventMode::Immediate,
         ..SimConfig::default()
     });
-    let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
+    let conf = format!("{conf},range:stream");
+    let alloc = Allocator::new(Box::new(sim), Config::parse(&conf).unwrap()).unwrap();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         // xorshift64*: enough to vary sizes and choices reproducibly.

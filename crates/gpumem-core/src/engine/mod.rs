@@ -71,6 +71,8 @@ pub struct Allocator {
     shards: StreamTable<Shard>,
     tracker: Option<Mutex<Tracker>>,
     config: Config,
+    /// Threads that made a stream's shard (made its first allocation), for `range:auto`.
+    stream_threads: Mutex<Vec<std::thread::ThreadId>>,
 }
 
 impl Allocator {
@@ -121,6 +123,7 @@ impl Allocator {
             shards: StreamTable::new(),
             tracker,
             config,
+            stream_threads: Mutex::new(Vec::new()),
         })
     }
 
@@ -165,16 +168,19 @@ impl Allocator {
     #[inline(never)]
     fn new_shard(&self, stream: Stream) -> Result<(u32, &Shard), AllocError> {
         self.shards
-            .get_or_insert(stream, || Shard {
-                stream,
-                state: ShardLock::new(ShardState {
-                    policy: self.factory.make(stream),
-                    uses: FxHashMap::default(),
-                    pending: Vec::new(),
-                    retries: 0,
-                    ooms: 0,
-                    syncs: 0,
-                }),
+            .get_or_insert(stream, || {
+                self.note_stream_thread();
+                Shard {
+                    stream,
+                    state: ShardLock::new(ShardState {
+                        policy: self.factory.make(stream),
+                        uses: FxHashMap::default(),
+                        pending: Vec::new(),
+                        retries: 0,
+                        ooms: 0,
+                        syncs: 0,
+                    }),
+                }
             })
             .map(|(i, s)| (i as u32, s))
             .ok_or(if stream == u64::MAX {
@@ -182,6 +188,21 @@ impl Allocator {
             } else {
                 AllocError::TooManyStreams { limit: MAX_STREAMS }
             })
+    }
+
+    /// A stream's first allocation is on this thread: if the thread allocated on another
+    /// stream before, its streams form a pipeline (a copy stream beside a compute stream), and
+    /// with `range:auto` the streams share one range from now on, before the new stream places
+    /// anything. Streams of different threads keep ranges of their own: no lock is shared
+    /// between threads that each allocate on their own stream.
+    fn note_stream_thread(&self) {
+        let me = std::thread::current().id();
+        let mut threads = self.stream_threads.lock();
+        if threads.contains(&me) {
+            self.factory.streams_share_memory();
+        } else {
+            threads.push(me);
+        }
     }
 
     /// Allocates `size` bytes for use on `stream`.

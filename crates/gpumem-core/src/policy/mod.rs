@@ -290,11 +290,8 @@ pub struct PolicyOptions {
     /// independently; more memory when streams peak at different times (up to twice the
     /// live peak with two streams that take turns).
     pub own_stream_peaks: bool,
-    /// Stitched: one virtual range shared by the device's streams instead of one per stream
-    /// (see [`shared_range`]). Blocks and pages a stream freed go to another stream through
-    /// an event of the first that the second waits for on the device, so streams share pages
-    /// for their small blocks; placement takes one lock for all streams.
-    pub shared_range: bool,
+    /// Stitched: where the streams place their blocks (see [`RangeMode`]).
+    pub range: RangeMode,
     /// Stitched, with a shared range: when a stream places blocks in a range of its own
     /// instead (see [`shared_range::Spill`]); by default when the shared range's lock is
     /// contended.
@@ -313,6 +310,29 @@ pub struct PolicyOptions {
     /// [`REMAP_SLACK_MAX`] of the peak in use, up to [`REMAP_SLACK_MAX`] more than configured.
     /// Spare pages are made only where a remap would otherwise happen. Infinite: never.
     pub remap_budget: f64,
+}
+
+/// Where the stitched policy's streams place their blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RangeMode {
+    /// Each stream in a virtual range of its own (`range:stream`): no lock shared by streams,
+    /// but blocks of different streams never share a 2 MiB page, and a pipeline whose streams
+    /// hand blocks to each other keeps a layout per stream.
+    Stream,
+    /// One virtual range shared by the device's streams (`range:shared`, see
+    /// [`shared_range`]). Blocks and pages a stream freed go to another stream through an
+    /// event of the first that the second waits for on the device, so streams share pages for
+    /// their small blocks; placement takes one lock for all streams (a stream that waits for
+    /// it too long spills to a range of its own, [`shared_range::Spill`]).
+    Shared,
+    /// Ranges per stream until one host thread allocates on a second stream, then one shared
+    /// range, joined before that stream places anything (`range:auto`, the default). Streams
+    /// one thread drives form a pipeline (a copy stream beside a compute stream): one range
+    /// lets their layouts nest instead of each stream keeping its own, and its lock is never
+    /// contended between them. Threads that each allocate on their own stream (workers,
+    /// servers) keep ranges of their own, with no lock shared between threads; `range:shared`
+    /// puts them in one range too.
+    Auto,
 }
 
 /// Windows in a row over the remap budget, with the pool not growing in them, before the spare
@@ -337,7 +357,7 @@ impl Default for PolicyOptions {
             slack: 0.0,
             va_factor: 2,
             own_stream_peaks: false,
-            shared_range: false,
+            range: RangeMode::Auto,
             spill: shared_range::Spill::Auto,
             trade_budget: 0.1,
             remap_budget: 0.2,
@@ -372,12 +392,14 @@ impl PolicyFactory {
                 let shared = Arc::new(stitched::PagePool::new(info, opts));
                 pages = Some(shared.clone());
                 let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
-                if opts.shared_range {
+                if opts.range != RangeMode::Stream {
                     let core = Arc::new(shared_range::CoreLock::new(
                         shared_range::SharedCore::new(shared, va),
                     ));
                     let spill = opts.spill;
-                    let counted = Arc::new(shared_range::SpillCount::default());
+                    let counted = Arc::new(shared_range::SpillCount::new(
+                        opts.range == RangeMode::Shared,
+                    ));
                     spills = Some(counted.clone());
                     Box::new(move |s| {
                         Box::new(shared_range::SharedStitched::new(
@@ -409,8 +431,22 @@ impl PolicyFactory {
         };
         let trade = p.trading_stopped().map(|t| t.to_string());
         let remap = p.spare_raised().map(|r| r.to_string());
+        let joined = self.spills.as_ref().and_then(|s| s.joined_note());
         let spill = self.spills.as_ref().and_then(|s| s.note());
-        trade.into_iter().chain(remap).chain(spill).collect()
+        trade
+            .into_iter()
+            .chain(remap)
+            .chain(joined)
+            .chain(spill)
+            .collect()
+    }
+
+    /// A thread allocates on a second stream: with `range:auto`, the streams place their
+    /// blocks in one shared range from now on.
+    pub fn streams_share_memory(&self) {
+        if let Some(s) = self.spills.as_ref() {
+            s.share();
+        }
     }
 
     /// The policy kind.

@@ -1,4 +1,6 @@
-//! The stitched policy with one virtual range shared by a device's streams (`range:shared`).
+//! The stitched policy with one virtual range shared by a device's streams (`range:shared`;
+//! with `range:auto`, the default, once one thread allocates on a second stream: until then
+//! every handle places blocks in a range of its stream's own, as `range:stream` does).
 //!
 //! By default each stream places its blocks in a virtual range of its own, so blocks of
 //! different streams never share a 2 MiB page: a server whose five threads each keep a few
@@ -38,7 +40,7 @@ use crate::error::BackendError;
 use crate::stats::MemoryStats;
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -517,16 +519,60 @@ pub enum Spill {
     Every(u32),
 }
 
-/// The spills of a device's streams, for the policy's notes.
+/// The spills of a device's streams, for the policy's notes, and whether the streams place
+/// their blocks in the shared range at all yet (`range:auto`).
 #[derive(Debug, Default)]
 pub struct SpillCount {
     /// Times a stream began to spill.
     spells: AtomicU64,
     /// Allocations placed in streams' own ranges, by whole windows of [`SPILL_WINDOW`].
     allocations: AtomicU64,
+    /// Whether the streams place blocks in the shared range: from the start with
+    /// `range:shared`; with `range:auto` once a thread allocates on a second stream
+    /// ([`Self::share`]). Until then each stream has a range of its own, as with
+    /// `range:stream`.
+    together: AtomicBool,
+    /// Whether `together` was set by [`Self::share`] (`range:auto`).
+    joined: AtomicBool,
 }
 
 impl SpillCount {
+    /// Counts for streams that start in the shared range (`together`) or each in a range of
+    /// its own until [`Self::share`].
+    pub fn new(together: bool) -> Self {
+        Self {
+            together: AtomicBool::new(together),
+            ..Self::default()
+        }
+    }
+
+    /// From now on the streams place their blocks in the shared range. Returns whether they
+    /// did not before.
+    pub fn share(&self) -> bool {
+        let began = !self.together.swap(true, Ordering::Relaxed);
+        if began {
+            self.joined.store(true, Ordering::Relaxed);
+        }
+        began
+    }
+
+    /// One line saying that the streams went from ranges of their own to the shared one
+    /// (`range:auto`), if they did.
+    pub fn joined_note(&self) -> Option<String> {
+        self.joined.load(Ordering::Relaxed).then(|| {
+            "stitched: a thread allocated on a second stream (a pipeline): from then on the \
+             streams place their blocks in one shared range (range:auto; range:stream keeps a \
+             range per stream)"
+                .to_string()
+        })
+    }
+
+    /// Whether the streams place their blocks in the shared range.
+    #[inline]
+    pub fn together(&self) -> bool {
+        self.together.load(Ordering::Relaxed)
+    }
+
     /// One line on the spills so far, if there were any.
     pub fn note(&self) -> Option<String> {
         let spells = self.spells.load(Ordering::Relaxed);
@@ -699,9 +745,56 @@ impl SharedStitched {
         }
     }
 
-    /// The stream's own range, if `addr` is in it.
+    /// The stream's own range, made at its first use.
+    #[inline]
+    fn own_range(&mut self) -> &mut Stitched {
+        self.own
+            .get_or_insert_with(|| Stitched::new(self.stream, self.pool.clone(), self.va_bytes))
+    }
+
+    /// The stream's own range, if `addr` is in it. Before the streams place blocks together
+    /// (`range:auto`), every block of the stream is there: no address check.
+    #[inline]
     fn own_at(&mut self, addr: DevPtr) -> Option<&mut Stitched> {
-        self.own.as_mut().filter(|o| o.holds(addr))
+        let apart = !self.counted.together();
+        self.own.as_mut().filter(|o| apart || o.holds(addr))
+    }
+
+    /// [`Policy::allocate`] past its first check: the stream's first allocation, or the
+    /// streams place their blocks together.
+    #[inline(never)]
+    fn allocate_elsewhere(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
+        if !self.counted.together() {
+            return self.own_range().allocate(size, dev);
+        }
+        if self.spills() {
+            // Counted by windows: one shared counter written by every spilling thread at
+            // every allocation would cost them what spilling saves.
+            if self.contention.spilled() {
+                self.counted
+                    .allocations
+                    .fetch_add(SPILL_WINDOW as u64, Ordering::Relaxed);
+            }
+            match self.own_range().allocate(size, dev) {
+                // Out of memory in its own range: the shared range may have idle pages.
+                Err(e) if e.out_of_memory => {}
+                placed => return placed,
+            }
+        }
+        let me = self.me;
+        self.lock_core().allocate(me, size, dev)
+    }
+
+    /// A free of a block in the shared range, out of line (see `allocate_elsewhere`).
+    #[inline(never)]
+    fn free_shared(
+        &mut self,
+        handle: u32,
+        addr: DevPtr,
+        dev: &Device,
+    ) -> Result<Option<u64>, BackendError> {
+        let me = self.me;
+        self.lock_core().free(me, Some(handle), addr, dev)
     }
 
     fn owns_at(&self, addr: DevPtr) -> Option<&Stitched> {
@@ -714,26 +807,15 @@ impl Policy for SharedStitched {
         "stitched"
     }
 
+    #[inline]
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
-        if self.spills() {
-            // Counted by windows: one shared counter written by every spilling thread at
-            // every allocation would cost them what spilling saves.
-            if self.contention.spilled() {
-                self.counted
-                    .allocations
-                    .fetch_add(SPILL_WINDOW as u64, Ordering::Relaxed);
-            }
-            let own = self.own.get_or_insert_with(|| {
-                Stitched::new(self.stream, self.pool.clone(), self.va_bytes)
-            });
-            match own.allocate(size, dev) {
-                // Out of memory in its own range: the shared range may have idle pages.
-                Err(e) if e.out_of_memory => {}
-                placed => return placed,
-            }
+        // `range:auto` before the streams shared memory: a range of the stream's own, exactly
+        // as `range:stream` (an out-of-memory error included). The rest out of line, so that
+        // this path costs a check, not the shared path's register saves.
+        match self.own.as_mut() {
+            Some(own) if !self.counted.together() => own.allocate(size, dev),
+            _ => self.allocate_elsewhere(size, dev),
         }
-        let me = self.me;
-        self.lock_core().allocate(me, size, dev)
     }
 
     fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
@@ -774,10 +856,7 @@ impl Policy for SharedStitched {
     ) -> Result<Option<u64>, BackendError> {
         match self.own_at(addr) {
             Some(own) => own.free_handle(handle, addr, dev),
-            None => {
-                let me = self.me;
-                self.lock_core().free(me, Some(handle), addr, dev)
-            }
+            None => self.free_shared(handle, addr, dev),
         }
     }
 

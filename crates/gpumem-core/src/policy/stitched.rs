@@ -899,7 +899,13 @@ impl PagePool {
         // their later work, such as the next prefetch, would serialise the streams), else a
         // fresh one.
         others.sort_unstable();
-        let stream = p.shards[m].stream;
+        // The stream that will use the pages: in a shared range the allocating one, not the
+        // stream the range's shard was made for (pages a stream idled in a range of its own
+        // reach the shared range only through these waits).
+        let stream = match order {
+            Order::Shared { clocks, me, .. } => clocks.stream(*me),
+            Order::Own => p.shards[m].stream,
+        };
         let mut i = 0;
         while i < others.len() {
             let o = others[i].0;
