@@ -3,8 +3,8 @@
 the calls they make, and the allocation properties and access descriptor of one device's
 pinned memory. No dependency but the driver."""
 import ctypes
-from ctypes import (POINTER, Structure, c_int, c_size_t, c_ubyte, c_uint, c_ulonglong, c_ushort,
-                    c_void_p)
+from ctypes import (POINTER, Structure, byref, c_int, c_size_t, c_ubyte, c_uint, c_ulonglong,
+                    c_ushort, c_void_p)
 
 MIB = 1 << 20
 PAGE = 2 * MIB
@@ -62,3 +62,25 @@ def pinned_on(device):
     acc.location.id = device
     acc.flags = 3  # read-write
     return prop, acc
+
+
+def start_on_torch_device(torch):
+    """Makes PyTorch's primary context current on this thread (through a first tensor),
+    initialises the driver API, and returns pinned_on(the current device)."""
+    torch.zeros(1, device="cuda")
+    ck(cu.cuInit(0), "cuInit")
+    return pinned_on(torch.cuda.current_device())
+
+
+def reserve(size):
+    """A reservation of `size` bytes of virtual address space; returns its base address."""
+    va = c_ulonglong()
+    ck(cu.cuMemAddressReserve(byref(va), size, 0, 0, 0), "reserve")
+    return va.value
+
+
+def create_page(prop):
+    """One physical page (PAGE bytes) with the allocation properties `prop`; returns its handle."""
+    h = c_ulonglong()
+    ck(cu.cuMemCreate(byref(h), PAGE, byref(prop), 0), "create")
+    return h.value

@@ -17,11 +17,11 @@ import argparse
 import json
 import statistics
 import time
-from ctypes import byref, c_ulonglong
+from ctypes import byref
 
 import torch
 
-from cuda_vmm import PAGE, ck, cu, pinned_on
+from cuda_vmm import PAGE, ck, create_page, cu, reserve, start_on_torch_device
 
 
 def main():
@@ -30,18 +30,10 @@ def main():
     ap.add_argument("--reps", type=int, default=7, help="repetitions per kernel and host action")
     args = ap.parse_args()
 
-    torch.zeros(1, device="cuda")  # the primary context, current on this thread
-    ck(cu.cuInit(0), "cuInit")
-    prop, acc = pinned_on(torch.cuda.current_device())
-    va = c_ulonglong()
+    prop, acc = start_on_torch_device(torch)
     span = 64 * PAGE
-    ck(cu.cuMemAddressReserve(byref(va), span, 0, 0, 0), "reserve")
-    base = va.value
-    handles = []
-    for _ in range(16):
-        h = c_ulonglong()
-        ck(cu.cuMemCreate(byref(h), PAGE, byref(prop), 0), "create")
-        handles.append(h.value)
+    base = reserve(span)
+    handles = [create_page(prop) for _ in range(16)]
 
     def remap(n):
         def op():
@@ -52,9 +44,7 @@ def main():
         return op
 
     def create_release():
-        h = c_ulonglong()
-        ck(cu.cuMemCreate(byref(h), PAGE, byref(prop), 0), "create")
-        ck(cu.cuMemRelease(h.value), "release")
+        ck(cu.cuMemRelease(create_page(prop)), "release")
 
     other = torch.cuda.Stream()
 

@@ -15,7 +15,7 @@ from ctypes import byref, c_ulonglong
 
 import torch
 
-from cuda_vmm import PAGE, ck, cu, pinned_on
+from cuda_vmm import PAGE, ck, create_page, cu, reserve, start_on_torch_device
 
 
 def main():
@@ -24,14 +24,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="repetitions per call and state")
     args = ap.parse_args()
 
-    torch.zeros(1, device="cuda")  # PyTorch makes the primary context current on this thread
-    ck(cu.cuInit(0), "cuInit")
-    prop, acc = pinned_on(torch.cuda.current_device())
-
-    va = c_ulonglong()
+    prop, acc = start_on_torch_device(torch)
     span = 64 * PAGE
-    ck(cu.cuMemAddressReserve(byref(va), span, 0, 0, 0), "reserve")
-    base = va.value
+    base = reserve(span)
 
     # Calibrate the spin kernel to about 20 ms.
     cycles = 10_000_000
@@ -43,9 +38,7 @@ def main():
     cycles = int(0.020 / per_cycle)
 
     def make_handle():
-        h = c_ulonglong()
-        ck(cu.cuMemCreate(byref(h), PAGE, byref(prop), 0), "create")
-        return h.value
+        return create_page(prop)
 
     def mapped():
         h = make_handle()
