@@ -532,8 +532,8 @@ pub struct SpillCount {
     /// ([`Self::share`]). Until then each stream has a range of its own, as with
     /// `range:stream`.
     together: AtomicBool,
-    /// Whether `together` was set by [`Self::share`] (`range:auto`).
-    joined: AtomicBool,
+    /// Whether they did from the start (`range:shared`): if not, `together` means they joined.
+    from_start: bool,
 }
 
 impl SpillCount {
@@ -542,24 +542,20 @@ impl SpillCount {
     pub fn new(together: bool) -> Self {
         Self {
             together: AtomicBool::new(together),
+            from_start: together,
             ..Self::default()
         }
     }
 
-    /// From now on the streams place their blocks in the shared range. Returns whether they
-    /// did not before.
-    pub fn share(&self) -> bool {
-        let began = !self.together.swap(true, Ordering::Relaxed);
-        if began {
-            self.joined.store(true, Ordering::Relaxed);
-        }
-        began
+    /// From now on the streams place their blocks in the shared range.
+    pub fn share(&self) {
+        self.together.store(true, Ordering::Relaxed);
     }
 
     /// One line saying that the streams went from ranges of their own to the shared one
     /// (`range:auto`), if they did.
     pub fn joined_note(&self) -> Option<String> {
-        self.joined.load(Ordering::Relaxed).then(|| {
+        (!self.from_start && self.together()).then(|| {
             "stitched: a thread allocated on a second stream (a pipeline): from then on the \
              streams place their blocks in one shared range (range:auto; range:stream keeps a \
              range per stream)"
