@@ -25,14 +25,13 @@ snapshots; the order of a native run is unknown. No dependency beyond Python 3."
 import argparse
 import gzip
 import hashlib
-import json
 import os
 import pickle
 import statistics
 import sys
 from collections import defaultdict
 
-WARMUP = 3
+from step_driver_time import WARMUP, driver_ms, load_runs, native_steps  # same folder
 
 
 def load_snapshot(path):
@@ -59,23 +58,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("jsonl", help="bench_workloads.jsonl")
     ap.add_argument("snapshots", help="the folder GPUMEM_BENCH_SNAPSHOT_DIR pointed at")
+    ap.add_argument("--workload", default="prefetch_mlp")
     args = ap.parse_args()
 
-    runs = []
-    with open(args.jsonl) as f:
-        for line in f:
-            if line.startswith("{") and '"allocator"' in line:
-                r = json.loads(line)
-                if r.get("step_s"):
-                    runs.append(r)
-    natives = [r for r in runs if r["allocator"] in ("native", "native-again")]
-    if not natives:
-        sys.exit("no native run to set the steps against")
-    steps = min(len(r["step_s"]) for r in runs)
-    base = [1000.0 * statistics.median(r["step_s"][i] for r in natives) for i in range(steps)]
+    by_allocator = load_runs(args.jsonl, args.workload)
+    steps, base = native_steps(by_allocator, f"{args.jsonl} for {args.workload}")
 
     groups = defaultdict(list)
-    for r in runs:
+    for r in (r for rs in by_allocator.values() for r in rs):
         snap = r.get("gpumem_snapshot")
         if not snap:
             continue
@@ -87,7 +77,7 @@ def main():
         per_step = r.get("gpumem_step_driver_calls") or []
         timed = per_step[WARMUP:steps]
         pages = sum(s.get("cuMemMap", [0, 0])[0] for s in timed)
-        driver = (1000.0 * sum(sum(v[1] for v in s.values()) for s in timed) / len(timed)) if timed else float("nan")
+        driver = statistics.mean(driver_ms(s) for s in timed) if timed else float("nan")
         excess = statistics.mean(1000.0 * r["step_s"][i] - base[i] for i in range(WARMUP, steps))
         groups[order].append((r["allocator"], os.path.basename(path), pages, driver, excess))
 

@@ -27,8 +27,35 @@ QUIET_MS = 0.1
 BUSY_MS = 0.5
 
 
+WARMUP = 3
+
+
 def driver_ms(step):
+    """Host milliseconds in driver calls of one step's record ({call: [count, seconds]})."""
     return 1000.0 * sum(seconds for _, seconds in step.values())
+
+
+def load_runs(jsonl, workload):
+    """The runs of `workload` in `jsonl` with step times, by allocator."""
+    runs = defaultdict(list)
+    with open(jsonl) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("workload") == workload and r.get("allocator") and r.get("step_s"):
+                runs[r["allocator"]].append(r)
+    return runs
+
+
+def native_steps(runs, where):
+    """(steps every run has, the median native time of each step in ms); exits without a
+    native run."""
+    natives = runs.get("native", []) + runs.get("native-again", [])
+    if not natives:
+        sys.exit(f"no native runs in {where}")
+    steps = min(len(r["step_s"]) for rs in runs.values() for r in rs)
+    return steps, [1000.0 * statistics.median(r["step_s"][i] for r in natives) for i in range(steps)]
 
 
 def main():
@@ -37,22 +64,10 @@ def main():
     ap.add_argument("--workload", default="prefetch_mlp")
     args = ap.parse_args()
 
-    runs = defaultdict(list)
-    with open(args.jsonl) as f:
-        for line in f:
-            if not line.startswith("{"):
-                continue
-            r = json.loads(line)
-            if r.get("workload") == args.workload and r.get("allocator") and r.get("step_s"):
-                runs[r["allocator"]].append(r)
-    natives = runs.get("native", []) + runs.get("native-again", [])
-    if not natives:
-        sys.exit(f"no native runs of {args.workload} in {args.jsonl}")
-    steps = min(len(r["step_s"]) for rs in runs.values() for r in rs)
-    warmup = 3
-    base = [1000.0 * statistics.median(r["step_s"][i] for r in natives) for i in range(steps)]
+    runs = load_runs(args.jsonl, args.workload)
+    steps, base = native_steps(runs, f"{args.jsonl} for {args.workload}")
 
-    print(f"{args.workload}: {steps - warmup} timed steps per run, excess over the median native step")
+    print(f"{args.workload}: {steps - WARMUP} timed steps per run, excess over the median native step")
     print(f"{'allocator':<16} {'runs':>4} {'drv ms':>7} {'excess':>7} {'slope':>6} {'icpt':>6} "
           f"{'quiet':>12} {'busy':>12}")
     details = []
@@ -63,13 +78,13 @@ def main():
             if per_step is not None and len(per_step) < steps:
                 per_step = None
             rx, ry = [], []
-            for i in range(warmup, steps):
+            for i in range(WARMUP, steps):
                 rx.append(driver_ms(per_step[i]) if per_step else 0.0)
                 ry.append(1000.0 * r["step_s"][i] - base[i])
             xs += rx
             ys += ry
             if per_step:
-                maps = sum(per_step[i].get("cuMemMap", [0, 0])[0] for i in range(warmup, steps))
+                maps = sum(per_step[i].get("cuMemMap", [0, 0])[0] for i in range(WARMUP, steps))
                 details.append(f"  {name} run {k}: driver {statistics.mean(rx):.2f} ms/step, "
                                f"excess {statistics.mean(ry):+.2f} ms/step, {maps} pages mapped")
         mx, my = statistics.mean(xs), statistics.mean(ys)
