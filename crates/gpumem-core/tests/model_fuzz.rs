@@ -150,7 +150,18 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                 alloc
                     .free_allocation(&l.a)
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                let evs: Vec<_> = ctl.take_recorded().into_iter().map(|(h, _)| h).collect();
+                // One event per other stream that used the block; besides them, only the
+                // block's own stream may get one (the shared range marks its place at the free).
+                let (evs, own): (Vec<_>, Vec<_>) = ctl
+                    .take_recorded()
+                    .into_iter()
+                    .partition(|(_, s)| l.used_on.contains(s));
+                prop_assert!(
+                    own.iter().all(|&(_, s)| s == l.a.stream),
+                    "events recorded on unrelated streams at a free: {:?}",
+                    own
+                );
+                let evs: Vec<_> = evs.into_iter().map(|(h, _)| h).collect();
                 if !l.used_on.is_empty() {
                     prop_assert_eq!(evs.len(), l.used_on.len(), "one event per stream used");
                     m.quarantine

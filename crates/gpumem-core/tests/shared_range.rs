@@ -62,6 +62,10 @@ struct ByteAudit {
     phys: HashMap<PhysHandle, Vec<Rec>>,
     /// Live block -> its pieces (as mapped when it was allocated).
     pieces: HashMap<u64, Vec<Piece>>,
+    /// Block freed after a use on another stream -> the call that freed it: its own stream's
+    /// work up to that call is what a later user must come after (the other stream's use is
+    /// covered by the events the test completes).
+    freed_in: HashMap<u64, u64>,
     /// Event -> the clock of its stream when it was recorded.
     events: HashMap<EventHandle, Clock>,
     /// Stream -> its vector clock: for each stream, the latest call whose work on that stream
@@ -85,6 +89,7 @@ impl ByteAudit {
             ctl,
             phys: HashMap::new(),
             pieces: HashMap::new(),
+            freed_in: HashMap::new(),
             events: HashMap::new(),
             clocks: HashMap::new(),
             done: Clock::new(),
@@ -148,8 +153,8 @@ impl ByteAudit {
         out
     }
 
-    /// The block's bytes become reusable by its stream in the current call.
-    fn released(&mut self, a: &Allocation) {
+    /// The block's bytes become reusable by its stream, freed in call `at`.
+    fn released(&mut self, a: &Allocation, at: u64) {
         let pieces = self.pieces.remove(&a.ptr).expect("a live block");
         for p in pieces {
             let recs = self.phys.get_mut(&p.h).expect("page in use");
@@ -157,7 +162,7 @@ impl ByteAudit {
                 .iter_mut()
                 .find(|r| r.lo == p.lo && r.hi == p.hi && r.state == Use::Live)
                 .expect("the block's record");
-            r.state = Use::Freed(self.calls);
+            r.state = Use::Freed(at);
         }
     }
 }
@@ -234,7 +239,7 @@ impl Audited for ByteAudit {
         self.calls += 1;
         match used_on {
             None => {
-                self.released(a);
+                self.released(a, self.calls);
                 self.alloc.free_allocation(a).unwrap();
                 // Events recorded by the free itself count as recorded after it.
                 self.calls += 1;
@@ -244,11 +249,20 @@ impl Audited for ByteAudit {
             Some(s) => {
                 self.alloc.record_stream(a.ptr, s).unwrap();
                 self.alloc.free_allocation(a).unwrap();
-                self.ctl
+                self.freed_in.insert(a.ptr, self.calls);
+                // The events on the stream that used the block: the test completes them.
+                // Any other (the policy marking the freeing stream's place) counts, as the
+                // free's own events do, as recorded after it.
+                let used: Vec<EventHandle> = self
+                    .ctl
                     .take_recorded()
                     .into_iter()
+                    .filter(|&(_, on)| on == s)
                     .map(|(e, _)| e)
-                    .collect()
+                    .collect();
+                self.calls += 1;
+                self.log_events();
+                used
             }
         }
     }
@@ -260,7 +274,11 @@ impl Audited for ByteAudit {
             self.note_completed(e);
         }
         self.calls += 1;
-        self.released(a);
+        let at = self
+            .freed_in
+            .remove(&a.ptr)
+            .expect("freed after a use elsewhere");
+        self.released(a, at);
         self.alloc.process_events().unwrap();
         self.calls += 1;
         self.log_events();
@@ -339,6 +357,41 @@ fn a_block_used_on_another_stream_waits_for_that_stream_then_for_its_own() {
     assert!(t.handovers > before);
     t.free(&b, None);
     t.free(&c, None);
+    t.alloc.check().unwrap();
+}
+
+/// A pipeline: the side stream's batch, used on the compute stream, is freed; the side stream
+/// then queues the next batch's copy. Once the batch's bytes are released, the compute stream
+/// taking them waits for the side stream's work up to the free, not for that later copy
+/// (which it would otherwise wait for before its own work, losing the overlap).
+#[test]
+fn bytes_freed_after_a_use_elsewhere_are_handed_over_as_of_the_free() {
+    let mut t = ByteAudit::new(&format!("{SHARED},slack:0"), 1 << 30);
+    let weights = t.allocate(4 * MIB, S2);
+    let batch = t.allocate(8 * MIB, S1);
+    let events = t.free(&batch, Some(S2));
+    let freed_in = t.calls - 1;
+    // The next batch, on the side stream, while the first is pending: other bytes.
+    let next = t.allocate(8 * MIB, S1);
+    assert_ne!(next.ptr, batch.ptr);
+    let next_in = t.calls;
+    t.complete(&batch, events);
+    let before = t.handovers;
+    let act = t.allocate(8 * MIB, S2);
+    assert_eq!(
+        act.ptr, batch.ptr,
+        "the compute stream takes the released bytes"
+    );
+    assert!(t.handovers > before, "through a wait");
+    let seen = t.clocks[&S2][&S1];
+    assert!(
+        seen > freed_in && seen < next_in,
+        "the compute stream waited for the side stream's call {seen}: the free was call \
+         {freed_in}, the next batch call {next_in}"
+    );
+    for a in [&weights, &next, &act] {
+        t.free(a, None);
+    }
     t.alloc.check().unwrap();
 }
 

@@ -502,7 +502,7 @@ impl Allocator {
                 Some(h) => st.policy.free_handle(h, ptr, &self.device)?.is_some(),
                 None => st.policy.free(ptr, &self.device)?.is_some(),
             },
-            Some(_) => st.policy.free_requested(ptr).is_some(),
+            Some(_) => st.policy.free_requested(ptr, &self.device).is_some(),
         };
         if !known {
             return Ok(false);

@@ -692,7 +692,7 @@ impl Policy for Buddy {
         })
     }
 
-    fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
+    fn free_requested(&mut self, addr: DevPtr, _dev: &Device) -> Option<u64> {
         let h = self.handle_at(addr)?;
         let l = &mut self.slab[h as usize];
         if l.state != Held::Allocated {
@@ -1035,7 +1035,7 @@ mod tests {
             (1i64 << ARENA_ORDER) - 1024 - 4096
         );
         for p in [x, y] {
-            b.free_requested(p.addr).unwrap();
+            b.free_requested(p.addr, &d).unwrap();
             b.release(p.addr, &d).unwrap();
         }
         b.check().unwrap();
@@ -1116,7 +1116,7 @@ mod tests {
                     live.push(p.addr);
                 } else {
                     let p = live.swap_remove((x >> 8) as usize % live.len());
-                    b.free_requested(p).unwrap();
+                    b.free_requested(p, &d).unwrap();
                     b.release(p, &d).unwrap();
                 }
                 b.check().unwrap();
@@ -1364,8 +1364,8 @@ mod tests {
                     assert_eq!(b.free_handle(h ^ 1, addr, &d).unwrap(), None);
                     assert_eq!(b.free_handle(u32::MAX, addr, &d).unwrap(), None);
                     if x >> 40 & 7 == 0 {
-                        assert_eq!(b.free_requested(addr), m.free_requested(at));
-                        assert_eq!(b.free_requested(addr), None);
+                        assert_eq!(b.free_requested(addr, &d), m.free_requested(at));
+                        assert_eq!(b.free_requested(addr, &d), None);
                         assert_eq!(b.free(addr, &d).unwrap(), None);
                         assert_eq!(b.free_handle(h, addr, &d).unwrap(), None);
                         waiting.push((addr, at));

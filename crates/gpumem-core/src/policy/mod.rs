@@ -28,7 +28,7 @@ macro_rules! block_set_queries {
                 .map(|id| self.free_block(id, dev)))
         }
 
-        fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
+        fn free_requested(&mut self, addr: DevPtr, _dev: &Device) -> Option<u64> {
             let id = self.set.allocated_at(addr)?;
             self.set.free_requested(id);
             Some(self.set.block(id).size)
@@ -136,9 +136,10 @@ pub trait Policy: Send {
     /// (or the cap) refused more memory; the engine then releases caches and retries.
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError>;
 
-    /// The user freed the block at `addr`. Returns its size, or `None` if `addr` is not a
-    /// live block of this policy.
-    fn free_requested(&mut self, addr: DevPtr) -> Option<u64>;
+    /// The user freed the block at `addr`, which other streams used too: it is reused once
+    /// their work queued by now is done ([`Policy::release`]). Returns its size, or `None` if
+    /// `addr` is not a live block of this policy.
+    fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64>;
 
     /// The block at `addr` (freed earlier) may now be reused: all streams are done with it.
     fn release(&mut self, addr: DevPtr, dev: &Device) -> Result<(), BackendError>;
@@ -147,7 +148,7 @@ pub trait Policy: Send {
     /// once. Returns its size, or `None` if `addr` is not a live block. (The same as
     /// `free_requested` then `release`; policies override it to look the block up once.)
     fn free(&mut self, addr: DevPtr, dev: &Device) -> Result<Option<u64>, BackendError> {
-        match self.free_requested(addr) {
+        match self.free_requested(addr, dev) {
             None => Ok(None),
             Some(size) => {
                 self.release(addr, dev)?;

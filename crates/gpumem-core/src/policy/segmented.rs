@@ -208,9 +208,9 @@ mod tests {
         let b = p.allocate(3072, &d).unwrap();
         assert_eq!(b.addr, a.addr + 3072, "second block right after the first");
         assert_eq!(d.lock().calls().count(DriverCall::MemAlloc), 1);
-        assert_eq!(p.free_requested(a.addr), Some(3072));
+        assert_eq!(p.free_requested(a.addr, &d), Some(3072));
         p.release(a.addr, &d).unwrap();
-        assert_eq!(p.free_requested(b.addr), Some(3072));
+        assert_eq!(p.free_requested(b.addr, &d), Some(3072));
         p.release(b.addr, &d).unwrap();
         p.check().unwrap();
         // Everything merged back into the whole 2 MiB segment, which empty_cache returns.
@@ -241,7 +241,7 @@ mod tests {
                 "{}",
                 p.name()
             );
-            p.free_requested(a.addr);
+            p.free_requested(a.addr, &d);
             p.release(a.addr, &d).unwrap();
             assert_eq!(p.stats().inactive_split.all.current, 0, "{}", p.name());
         }
@@ -274,7 +274,7 @@ mod tests {
             p.stats().inactive_split_bytes.all.current,
             (2 * MIB - 8192) as i64
         );
-        p.free_requested(a.addr);
+        p.free_requested(a.addr, &d);
         p.release(a.addr, &d).unwrap();
         // `a` is a new inactive split block; `b` separates it from the tail.
         assert_eq!(p.stats().inactive_split.all.current, 2);
@@ -282,7 +282,7 @@ mod tests {
             p.stats().inactive_split_bytes.all.current,
             (2 * MIB - 4096) as i64
         );
-        p.free_requested(b.addr);
+        p.free_requested(b.addr, &d);
         p.release(b.addr, &d).unwrap();
         assert_eq!(p.stats().inactive_split.all.current, 0);
         assert_eq!(p.stats().inactive_split_bytes.all.current, 0);

@@ -95,7 +95,8 @@ impl StreamClocks {
     }
 
     fn freed(&mut self, i: u32, stamp: u64) {
-        self.clocks[i as usize].last_free = Some(stamp);
+        let last = &mut self.clocks[i as usize].last_free;
+        *last = Some(last.map_or(stamp, |l| l.max(stamp)));
     }
 
     /// Whether stream `t`'s work queued before pool epoch `stamp` is known done.
@@ -216,9 +217,9 @@ pub struct SharedCore {
     /// Live block address -> the stream index that allocated it (frees go through its
     /// handle, and a handle answers only for its stream's blocks, as a per-stream pool does).
     owner: FxHashMap<DevPtr, u32>,
-    /// Blocks freed while used on other streams: address -> size, until the engine releases
-    /// them.
-    pending: FxHashMap<DevPtr, u64>,
+    /// Blocks freed while used on other streams: address -> size and the pool epoch of the
+    /// free, until the engine releases them.
+    pending: FxHashMap<DevPtr, (u64, u64)>,
     /// Freed bytes another stream must wait for before using: start -> range. Disjoint.
     dirty: BTreeMap<u64, Dirty>,
     /// Several streams have come: `owner` and `dirty` are kept.
@@ -337,6 +338,11 @@ impl SharedCore {
     /// Stream `me` freed `[addr, addr + size)`.
     fn freed(&mut self, me: u32, addr: u64, size: u64) {
         let stamp = self.pool.epoch_now();
+        self.freed_at(me, addr, size, stamp);
+    }
+
+    /// Stream `me` freed `[addr, addr + size)` at pool epoch `stamp`.
+    fn freed_at(&mut self, me: u32, addr: u64, size: u64, stamp: u64) {
         self.clocks.freed(me, stamp);
         if !self.shared {
             return;
@@ -377,10 +383,19 @@ impl SharedCore {
         // records by address do not: this stream has waited for its last users, so the page
         // counts as freed by this stream now, and another stream placing a block there later
         // waits for this one. (First, so that it holds even if the block is given back below.)
+        // An event marks this point of the stream, after its waits and before the work it
+        // will queue on the new block: a later stream waits for that much and no more.
         let moved = std::mem::take(&mut self.moved_in);
-        for &v in &moved {
-            let (start, end) = self.range().page_span(v);
-            self.freed(me, start, end - start);
+        if !moved.is_empty() {
+            let stamp = self.pool.epoch_now();
+            {
+                let mut d = dev.lock();
+                self.clocks.mark(&mut d, me, self.pool.next_epoch());
+            }
+            for &v in &moved {
+                let (start, end) = self.range().page_span(v);
+                self.freed_at(me, start, end - start, stamp);
+            }
         }
         self.moved_in = moved;
         let taken = {
@@ -423,12 +438,25 @@ impl SharedCore {
         Ok(freed)
     }
 
-    fn free_requested(&mut self, me: u32, addr: DevPtr) -> Option<u64> {
+    /// The block at `addr`, used on other streams too, was freed: it is released once their
+    /// work queued by now is done. Its own stream's work queued by now is all that may still
+    /// use it after that, so its bytes count as freed now, not at the release, and an event
+    /// marks the stream's place now. A stream that takes the bytes later waits for that
+    /// event: a fresh one, recorded then, would also cover what the stream queued since. (A
+    /// pipeline's side stream queues the next batch's copy meanwhile: the compute stream would
+    /// wait for that copy, which is meant to overlap its work.)
+    fn free_requested(&mut self, me: u32, addr: DevPtr, dev: &Device) -> Option<u64> {
         if !self.owns(me, addr) {
             return None;
         }
-        let size = self.range().free_requested(addr)?;
-        self.pending.insert(addr, size);
+        let size = self.range().free_requested(addr, dev)?;
+        let stamp = self.pool.epoch_now();
+        if self.shared {
+            // Best effort, as every mark: without it a later wait records a fresh event.
+            let mut d = dev.lock();
+            self.clocks.mark(&mut d, me, self.pool.next_epoch());
+        }
+        self.pending.insert(addr, (size, stamp));
         Some(size)
     }
 
@@ -436,13 +464,13 @@ impl SharedCore {
         if !self.owns(me, addr) {
             return Ok(());
         }
-        let Some(size) = self.pending.remove(&addr) else {
+        let Some((size, stamp)) = self.pending.remove(&addr) else {
             return Ok(());
         };
         self.range().release(addr, dev)?;
         self.owner.remove(&addr);
         // The other streams that used it are done; its own stream may not be.
-        self.freed(me, addr, size);
+        self.freed_at(me, addr, size, stamp);
         Ok(())
     }
 
@@ -814,12 +842,12 @@ impl Policy for SharedStitched {
         }
     }
 
-    fn free_requested(&mut self, addr: DevPtr) -> Option<u64> {
+    fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64> {
         match self.own_at(addr) {
-            Some(own) => own.free_requested(addr),
+            Some(own) => own.free_requested(addr, dev),
             None => {
                 let me = self.me;
-                self.lock_core().free_requested(me, addr)
+                self.lock_core().free_requested(me, addr, dev)
             }
         }
     }
