@@ -286,7 +286,7 @@ impl BlockSet {
 
     /// The smallest free block of `pool` with at least `size` bytes (lowest address on ties).
     #[inline]
-    pub fn best_fit(&self, pool: Pool, size: u64) -> Option<u32> {
+    pub fn best_fit(&mut self, pool: Pool, size: u64) -> Option<u32> {
         self.free[pool.index()].best_fit(size)
     }
 
