@@ -285,6 +285,8 @@ impl BlockSet {
     }
 
     /// The smallest free block of `pool` with at least `size` bytes (lowest address on ties).
+    /// Blocks freed after this search are a new generation of the free lists
+    /// ([`FreeIndex::best_fit`]).
     #[inline]
     pub fn best_fit(&mut self, pool: Pool, size: u64) -> Option<u32> {
         self.free[pool.index()].best_fit(size)

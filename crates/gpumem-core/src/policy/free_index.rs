@@ -244,7 +244,9 @@ impl FreeIndex {
         }
     }
 
-    /// A block of at least `size` bytes, if any.
+    /// A block of at least `size` bytes, if any. In the binned index the search also starts a
+    /// new generation: blocks inserted after it come before older ones in their class, in
+    /// address order among themselves.
     #[inline]
     pub fn best_fit(&mut self, size: u64) -> Option<u32> {
         match self {

@@ -136,9 +136,9 @@ pub trait Policy: Send {
     /// (or the cap) refused more memory; the engine then releases caches and retries.
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError>;
 
-    /// The user freed the block at `addr`, which other streams used too: it is reused once
-    /// their work queued by now is done ([`Policy::release`]). Returns its size, or `None` if
-    /// `addr` is not a live block of this policy.
+    /// The user freed the block at `addr`; it is reused once [`Policy::release`] says so: at
+    /// once if no other stream used it ([`Policy::free`]), else when their work queued by now
+    /// is done. Returns its size, or `None` if `addr` is not a live block of this policy.
     fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64>;
 
     /// The block at `addr` (freed earlier) may now be reused: all streams are done with it.
