@@ -16,8 +16,9 @@
 # WORKLOADS: comma-separated (default prefetch_mlp); ROUNDS: default 4; extra arguments go to
 # bench_workloads.py (default `--allocators native,gpumem`). Stops starting rounds after
 # AB_BUDGET_S seconds (default 400), so that a call stays within its time limit.
-# Output: $OUT/{old,new}/r<round>/bench_workloads.jsonl and logs; a line per run in
-# $OUT/summary.txt, printed last.
+# Output: $OUT/{old,new}/r<round>/bench_workloads.jsonl and logs; every run in
+# $OUT/ab_wheels.jsonl, with gpumem's runs named gpumem@old and gpumem@new; a line per run in
+# $OUT/summary.txt, and scripts/step_driver_time.py's step-by-step table, printed last.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/ab_wheels}
@@ -36,8 +37,19 @@ for v in old new; do
     rm -rf /tmp/gpumem-$v
     python3 -m zipfile -e "$wheel" /tmp/gpumem-$v
 done
+relabel() { # jsonl build -> its lines, with gpumem's allocator names tagged @build
+    [ -f "$1" ] || return 0
+    python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        r = json.loads(line)
+        if str(r.get("allocator", "")).startswith("gpumem"):
+            r["allocator"] += "@" + sys.argv[2]
+        print(json.dumps(r))' "$1" "$2"
+}
 start=$(date +%s)
 : > "$OUT/summary.txt"
+: > "$OUT/ab_wheels.jsonl"
 for r in $(seq 1 "$ROUNDS"); do
     for v in old new; do
         if [ $(( $(date +%s) - start )) -gt "${AB_BUDGET_S:-400}" ]; then
@@ -49,6 +61,12 @@ for r in $(seq 1 "$ROUNDS"); do
             > "$OUT/$v.r$r.log" 2>&1
         rc=$?
         echo "$v round $r rc=$rc: $(grep -A20 '^Median step' "$OUT/$v.r$r.log" | grep -v '^Median\|^workload' | sed '/^$/q' | tr -s ' ' | tr '\n' ';')" >> "$OUT/summary.txt"
+        # Every run in one file, gpumem's named by build (gpumem@old, gpumem@new), for
+        # scripts/step_driver_time.py.
+        relabel "$OUT/$v/r$r/bench_workloads.jsonl" "$v" >> "$OUT/ab_wheels.jsonl"
     done
 done
 cat "$OUT/summary.txt"
+for w in ${WORKLOADS//,/ }; do
+    python3 scripts/step_driver_time.py "$OUT/ab_wheels.jsonl" --workload "$w" || true
+done
