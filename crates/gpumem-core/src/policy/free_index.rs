@@ -20,6 +20,8 @@ const SL_BITS: u32 = 5;
 const SL_COUNT: usize = 1 << SL_BITS;
 /// Blocks of the request's own class examined before moving to larger classes.
 const SCAN: usize = 8;
+/// Blocks of one generation in a class kept in address order (see `Bins::insert`).
+const SORT_MAX: usize = 64;
 
 #[derive(Clone, Copy)]
 struct Node {
@@ -92,11 +94,17 @@ impl Bins {
         // thread's) arrive in an order that varies from run to run, and the placements that
         // follow must not (22 recorded prefetch runs, replayed: 1,411-1,607 pages mapped,
         // depending on that order; 1,411 on every one with it). A search starts a generation,
-        // so a loop that frees and allocates one block at a time stops at the head.
+        // so a loop that frees and allocates one block at a time stops at the head. The walk
+        // is bounded: beyond SORT_MAX blocks of one generation in a class, order is kept only
+        // among the first ones (50,000 frees of one size without an allocation, in rising
+        // address order: 2.6 s unbounded, 6 ms with the bound; dev).
         let gen = self.gen;
         let mut prev = NIL;
         let mut next = head;
-        while next != NIL {
+        for _ in 0..SORT_MAX {
+            if next == NIL {
+                break;
+            }
             let n = &self.nodes[next as usize];
             if n.gen != gen || n.addr > addr {
                 break;
@@ -405,6 +413,28 @@ mod tests {
         by_addr.sort_by_key(|&i| addrs[i as usize]);
         by_addr.push(100);
         assert_eq!(a, by_addr);
+    }
+
+    #[test]
+    fn many_blocks_freed_together_are_all_kept_and_found() {
+        // More blocks of one class than the ordered walk covers, freed with no search between
+        // them (a program dropping a long list of equal tensors), in rising address order so
+        // that each walks as far as it may: every one is kept and found, and the first ones
+        // come in address order.
+        let mut f = FreeIndex::binned();
+        let n = 5 * SORT_MAX as u32;
+        for i in 0..n {
+            f.insert(i, 8192, u64::from(i) * 16384);
+        }
+        assert_eq!(f.len(), n as usize);
+        let mut found = Vec::new();
+        while let Some(id) = f.best_fit(8192) {
+            f.remove(id, 8192, u64::from(id) * 16384);
+            found.push(id);
+        }
+        assert_eq!(found[..SORT_MAX], (0..SORT_MAX as u32).collect::<Vec<_>>());
+        found.sort_unstable();
+        assert_eq!(found, (0..n).collect::<Vec<_>>());
     }
 
     #[test]
