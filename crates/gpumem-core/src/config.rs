@@ -195,16 +195,9 @@ impl Config {
                 }
                 "stream_pages" => c.options.own_stream_peaks = one_of(k, v, "shared", "own")?,
                 "range" => {
-                    c.options.range = match v {
-                        "auto" => RangeMode::Auto,
-                        "stream" => RangeMode::Stream,
-                        "shared" => RangeMode::Shared,
-                        _ => {
-                            return Err(AllocError::Config(format!(
-                                "range:{v}: expected auto, stream or shared"
-                            )))
-                        }
-                    }
+                    c.options.range = RangeMode::parse(v).ok_or_else(|| {
+                        AllocError::Config(format!("range:{v}: expected auto, stream or shared"))
+                    })?
                 }
                 "spill" => {
                     c.options.spill = match v {
@@ -305,18 +298,13 @@ mod tests {
             Config::default()
         );
         assert_eq!(Config::default().options.range, RangeMode::Auto);
-        assert_eq!(
-            Config::parse("range:shared").unwrap().options.range,
-            RangeMode::Shared
-        );
-        assert_eq!(
-            Config::parse("range:stream").unwrap().options.range,
-            RangeMode::Stream
-        );
-        assert_eq!(
-            Config::parse("range:auto").unwrap().options.range,
-            RangeMode::Auto
-        );
+        for (text, mode) in [
+            ("range:shared", RangeMode::Shared),
+            ("range:stream", RangeMode::Stream),
+            ("range:auto", RangeMode::Auto),
+        ] {
+            assert_eq!(Config::parse(text).unwrap().options.range, mode, "{text}");
+        }
         assert_eq!(Config::default().options.spill, Spill::Auto);
         assert_eq!(
             Config::parse("spill:off").unwrap().options.spill,

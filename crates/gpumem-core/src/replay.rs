@@ -11,7 +11,7 @@ use crate::backend::{Backend, CallCounts, EventHandle, Stream};
 use crate::config::Config;
 use crate::engine::{Allocation, Allocator};
 use crate::error::AllocError;
-use crate::policy::{PolicyKind, RangeMode};
+use crate::policy::PolicyKind;
 use crate::trace::{Kind, Trace};
 use crate::units::H200_TOTAL_BYTES;
 use rustc_hash::FxHashMap;
@@ -430,11 +430,7 @@ pub fn replay_on(
     });
     Ok(PolicyResult {
         policy: policy.name().to_string(),
-        range: (policy == PolicyKind::Stitched).then_some(match alloc.config().options.range {
-            RangeMode::Stream => "stream",
-            RangeMode::Shared => "shared",
-            RangeMode::Auto => "auto",
-        }),
+        range: (policy == PolicyKind::Stitched).then_some(alloc.config().options.range.name()),
         peak_held_bytes,
         peak_live_bytes,
         ratio: if peak_live_bytes == 0 {

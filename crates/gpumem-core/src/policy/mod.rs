@@ -336,6 +336,25 @@ pub enum RangeMode {
     Auto,
 }
 
+impl RangeMode {
+    /// Every mode.
+    pub const ALL: [RangeMode; 3] = [RangeMode::Auto, RangeMode::Stream, RangeMode::Shared];
+
+    /// The name the `range` key and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            RangeMode::Auto => "auto",
+            RangeMode::Stream => "stream",
+            RangeMode::Shared => "shared",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<RangeMode> {
+        Self::ALL.into_iter().find(|m| m.name() == s)
+    }
+}
+
 /// Windows in a row over the remap budget, with the pool not growing in them, before the spare
 /// pages are raised: remapping that goes on for 300 ms after the pool stopped growing, not the
 /// burst of a warm-up or of a new batch shape (replays at a 10 % budget: two in a row happen
