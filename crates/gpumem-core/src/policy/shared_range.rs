@@ -341,6 +341,17 @@ impl SharedCore {
         self.freed_at(me, addr, size, stamp);
     }
 
+    /// The pool epoch to stamp bytes stream `me` frees now with, after marking its place with
+    /// an event recorded just after that epoch: a stream taking the bytes later waits for that
+    /// event, not for a fresh one that would also cover what `me` queued since.
+    fn stamp_and_mark(&mut self, me: u32, dev: &Device) -> u64 {
+        let stamp = self.pool.epoch_now();
+        // Best effort, as every mark: without it a later wait records a fresh event.
+        let mut d = dev.lock();
+        self.clocks.mark(&mut d, me, self.pool.next_epoch());
+        stamp
+    }
+
     /// Stream `me` freed `[addr, addr + size)` at pool epoch `stamp`.
     fn freed_at(&mut self, me: u32, addr: u64, size: u64, stamp: u64) {
         self.clocks.freed(me, stamp);
@@ -387,11 +398,7 @@ impl SharedCore {
         // will queue on the new block: a later stream waits for that much and no more.
         let moved = std::mem::take(&mut self.moved_in);
         if !moved.is_empty() {
-            let stamp = self.pool.epoch_now();
-            {
-                let mut d = dev.lock();
-                self.clocks.mark(&mut d, me, self.pool.next_epoch());
-            }
+            let stamp = self.stamp_and_mark(me, dev);
             for &v in &moved {
                 let (start, end) = self.range().page_span(v);
                 self.freed_at(me, start, end - start, stamp);
@@ -450,12 +457,11 @@ impl SharedCore {
             return None;
         }
         let size = self.range().free_requested(addr, dev)?;
-        let stamp = self.pool.epoch_now();
-        if self.shared {
-            // Best effort, as every mark: without it a later wait records a fresh event.
-            let mut d = dev.lock();
-            self.clocks.mark(&mut d, me, self.pool.next_epoch());
-        }
+        let stamp = if self.shared {
+            self.stamp_and_mark(me, dev)
+        } else {
+            self.pool.epoch_now()
+        };
         self.pending.insert(addr, (size, stamp));
         Some(size)
     }
