@@ -29,7 +29,7 @@
 //! memory, so that the engine's passes over its shards count and do them once.
 //!
 //! A stream whose operations spend a quarter of their time waiting for the one lock spills:
-//! its next allocations go to a range of its own on the same page pool, for a while (see
+//! from then on its allocations go to a range of its own on the same page pool (see
 //! [`Spill`]). The shared range may take that range's idle pages, never the reverse.
 
 use super::stitched::{Order, PagePool, Stitched};
@@ -519,7 +519,8 @@ impl SharedCore {
 pub type CoreLock = spin::mutex::SpinMutex<SharedCore, spin::relax::Yield>;
 
 /// Allocations and frees of a stream in the shared range over which it measures the share of
-/// time it spent waiting for the range's lock; and allocations a spill lasts, in windows.
+/// time it spent waiting for the range's lock; spilled allocations are counted by windows of
+/// as many.
 const SPILL_WINDOW: u32 = 256;
 
 /// Share of a window's time (from its first operation to its last) that the stream spent
@@ -531,22 +532,17 @@ const SPILL_WINDOW: u32 = 256;
 /// too: 1.17 of the live peak instead of 0.98; BENCHMARKS.md §3, session 16.)
 const SPILL_WAIT_SHARE: f64 = 0.25;
 
-/// Windows a stream spills for, the first time; each time it comes back and spills again, twice
-/// as many (up to [`SPILL_WINDOWS_MAX`]), and half as many after a window back without
-/// contention. A thread that keeps coming back to a contended lock would pay for it again
-/// each time.
-const SPILL_WINDOWS_MIN: u32 = 16;
-const SPILL_WINDOWS_MAX: u32 = 4096;
-
 /// When a stream places blocks in its own range instead of the shared one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Spill {
     /// Never: every block goes to the shared range, whatever the wait for its lock.
     Off,
-    /// When the stream spent a quarter of the time of its last 256 operations in the shared
-    /// range waiting for its lock: for 16 windows of 256 allocations, twice as long each time it
-    /// comes back to a lock still contended (up to 4,096 windows), half as long after a window
-    /// back without.
+    /// Once the stream spent a quarter of the time of 256 operations in the shared range
+    /// waiting for its lock: from then on, for good. (Spells that ended, and grew longer each
+    /// time the stream came back to a lock still contended, cost threads that only allocate
+    /// a window of waiting and cross-stream handovers at every return: eight such threads
+    /// took 47–60 ns per operation on an H200 host against 22–23 with spills for good;
+    /// BENCHMARKS.md §4, session 19.)
     Auto,
     /// Every n-th allocation of each stream (a testing aid: it mixes the two kinds of range
     /// deterministically, without threads).
@@ -627,20 +623,18 @@ struct Contention {
     waited_ns: u64,
     /// Allocations spilled in the current window.
     spilled: u32,
-    /// Windows left to spill for (0: placing in the shared range).
-    away: u32,
-    /// Windows the next spill lasts.
-    next_away: u32,
+    /// The stream spilled: it places its blocks in its own range for good.
+    gone: bool,
 }
 
 impl Contention {
     /// Counts an allocation or free in the shared range that waited `waited_ns` for the lock.
-    /// Returns whether the stream begins to spill (at the end of a window). During a spill
-    /// the stream's frees of its blocks in the shared range are not counted. One clock read
-    /// per window, and one around each wait: none on an uncontended lock's path.
+    /// Returns whether the stream begins to spill (at the end of a window). Once it has, its
+    /// frees of its blocks left in the shared range are not counted. One clock read per
+    /// window, and one around each wait: none on an uncontended lock's path.
     #[inline]
     fn came(&mut self, waited_ns: u64) -> bool {
-        if self.away > 0 {
+        if self.gone {
             return false;
         }
         self.ops += 1;
@@ -658,15 +652,9 @@ impl Contention {
             .start
             .map_or(0, |t| t.elapsed().as_nanos() as u64)
             .max(self.waited_ns);
-        let next = self.next_away.max(SPILL_WINDOWS_MIN);
         let spill =
             self.waited_ns > 0 && self.waited_ns as f64 >= SPILL_WAIT_SHARE * wall_ns as f64;
-        if spill {
-            self.away = next;
-            self.next_away = (next * 2).min(SPILL_WINDOWS_MAX);
-        } else {
-            self.next_away = (next / 2).max(SPILL_WINDOWS_MIN);
-        }
+        self.gone = spill;
         self.ops = 0;
         self.start = None;
         self.waited_ns = 0;
@@ -681,7 +669,6 @@ impl Contention {
             return false;
         }
         self.spilled = 0;
-        self.away = self.away.saturating_sub(1);
         true
     }
 }
@@ -767,7 +754,7 @@ impl SharedStitched {
     fn spills(&mut self) -> bool {
         match self.spill {
             Spill::Off => false,
-            Spill::Auto => self.contention.away > 0,
+            Spill::Auto => self.contention.gone,
             Spill::Every(n) => {
                 self.allocs += 1;
                 self.allocs % n as u64 == 0
@@ -1008,43 +995,27 @@ mod tests {
         began
     }
 
-    fn spill_out(c: &mut Contention) -> u32 {
-        let mut n = 0;
-        while c.away > 0 {
-            c.spilled();
-            n += 1;
-        }
-        n / SPILL_WINDOW
-    }
-
     // A window of 256 operations here takes microseconds: a wait of seconds is most of it,
     // and none is none of it.
     const LONG: Duration = Duration::from_secs(10);
 
     #[test]
-    fn a_stream_spills_while_the_lock_stays_contended_and_comes_back_sooner_once_it_is_not() {
+    fn a_stream_spills_once_the_lock_is_contended_and_stays_in_its_own_range() {
         let mut c = Contention::default();
         assert!(!window(&mut c, Duration::ZERO), "no wait: stays");
+        assert!(!c.gone);
         assert!(window(&mut c, LONG), "waiting most of the time: spills");
+        assert!(c.gone);
         assert!(
             !c.came(LONG.as_nanos() as u64),
-            "its frees during the spill do not count"
+            "its frees of blocks left in the shared range do not count"
         );
-        assert_eq!(spill_out(&mut c), SPILL_WINDOWS_MIN);
-        // Back and still contended: twice as long each time, up to the cap.
-        let mut last = SPILL_WINDOWS_MIN;
-        for _ in 0..12 {
-            assert!(window(&mut c, LONG));
-            let away = spill_out(&mut c);
-            assert_eq!(away, (2 * last).min(SPILL_WINDOWS_MAX));
-            last = away;
-        }
-        assert_eq!(last, SPILL_WINDOWS_MAX);
-        // Each quiet window halves the next stay.
+        // However many allocations it spills and however quiet the lock is meanwhile, it does
+        // not come back; its spilled allocations are counted a window at a time.
+        let windows = (0..10 * SPILL_WINDOW).filter(|_| c.spilled()).count();
+        assert_eq!(windows, 10);
         assert!(!window(&mut c, Duration::ZERO));
-        assert!(!window(&mut c, Duration::ZERO));
-        assert!(window(&mut c, LONG));
-        assert_eq!(spill_out(&mut c), SPILL_WINDOWS_MAX / 4);
+        assert!(c.gone);
     }
 
     #[test]
@@ -1055,6 +1026,6 @@ mod tests {
         for _ in 1..SPILL_WINDOW {
             assert!(!c.came(0));
         }
-        assert_eq!(c.away, 0);
+        assert!(!c.gone);
     }
 }
