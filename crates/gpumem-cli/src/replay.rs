@@ -51,6 +51,11 @@ pub struct ReplayArgs {
     /// memory visualizer; gzipped if the name ends in .gz). Needs exactly one --policy.
     #[arg(long)]
     snapshot: Option<PathBuf>,
+    /// List the allocations that unmapped pages to place their block (a virtual page whose
+    /// physical page had gone elsewhere), by requested size and stream, most pages first:
+    /// where a layout that keeps moving pays its driver calls.
+    #[arg(long)]
+    remap_sites: bool,
 }
 
 /// Where a replay runs.
@@ -138,6 +143,7 @@ fn sim_only_flags(a: &ReplayArgs) -> Vec<&'static str> {
         ("--snapshot", a.snapshot.is_some()),
         ("--device-memory", a.device_memory.is_some()),
         ("--gpu-lag-ms", a.gpu_lag_ms.is_some()),
+        ("--remap-sites", a.remap_sites),
     ]
     .into_iter()
     .filter_map(|(name, given)| given.then_some(name))
@@ -181,6 +187,7 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
     let mut opts = ReplayOptions {
         config: Config::parse(&a.conf).map_err(|e| e.to_string())?,
         timeline_points: if a.plot.is_some() { 2000 } else { 0 },
+        remap_sites: a.remap_sites,
         ..ReplayOptions::default()
     };
     if let Some(m) = a.device_memory {

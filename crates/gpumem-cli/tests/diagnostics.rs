@@ -262,6 +262,52 @@ fn replay_gpu_lag_counts_fewer_host_waits_and_refuses_nonsense() {
 }
 
 #[test]
+fn replay_remap_sites_lists_the_sizes_that_remap() {
+    let t = bundled_trace("anchors/prefetch_mlp.gmt.gz");
+    let out = gpumem()
+        .args([
+            "replay",
+            "-p",
+            "stitched",
+            "--gpu-lag-ms",
+            "10",
+            "--remap-sites",
+        ])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let head = text
+        .lines()
+        .find(|l| l.contains("allocations that unmapped pages to place their block"))
+        .unwrap_or_else(|| panic!("no remap-site table: {text}"));
+    // "(N pages in all": N is the sum of the table's page column when every size is shown.
+    let total: u64 = head
+        .split('(')
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(total > 0, "{head}");
+    let out = gpumem()
+        .args(["replay", "-p", "stitched", "--json", "--remap-sites"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert_succeeded(&out);
+    let j: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let sites = j["remap_sites"]
+        .as_array()
+        .expect("remap_sites in the JSON");
+    assert!(sites.iter().all(|s| s["pages"].as_u64().unwrap() >= 1));
+}
+
+#[test]
 fn absurd_arguments_are_refused_before_any_work() {
     let t = bundled_trace("validation/mlp.pickle.gz");
     let out = gpumem()

@@ -76,6 +76,17 @@ fn simulator_flags_are_refused_on_the_gpu() {
         e.contains("--device-memory applies to the simulated device only"),
         "{e}"
     );
+    let out = gpumem()
+        .arg("replay")
+        .arg(&mlp)
+        .args(["--device", "cuda", "--remap-sites"])
+        .output()
+        .unwrap();
+    let e = stderr(&out);
+    assert!(
+        e.contains("--remap-sites applies to the simulated device only"),
+        "{e}"
+    );
 }
 
 #[test]

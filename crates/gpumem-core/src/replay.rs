@@ -7,7 +7,7 @@
 //! to `free_completed`), so every policy is measured against the same denominator.
 
 use crate::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
-use crate::backend::{Backend, CallCounts, EventHandle, Stream};
+use crate::backend::{Backend, CallCounts, DriverCall, EventHandle, Stream};
 use crate::config::Config;
 use crate::engine::{Allocation, Allocator};
 use crate::error::AllocError;
@@ -88,6 +88,31 @@ pub struct PolicyResult {
     /// policy of a trace.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lower_reference: Option<f64>,
+    /// The allocations that remapped pages, grouped by requested size and stream, most pages
+    /// first, when asked for ([`ReplayOptions::remap_sites`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub remap_sites: Vec<RemapSite>,
+}
+
+/// Allocations of one requested size on one stream that unmapped pages to place their block
+/// (a virtual page whose physical page had gone elsewhere): where a layout that keeps moving
+/// pays its driver calls.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RemapSite {
+    /// Bytes the trace asked for.
+    pub size: u64,
+    /// The trace's stream.
+    pub stream: u64,
+    /// Allocations of that size and stream that unmapped at least one page.
+    pub allocations: u64,
+    /// Pages they unmapped in all.
+    pub pages: u64,
+    /// Of those, pages unmapped in the trace's second half (after warm-up, for a loop).
+    pub pages_second_half: u64,
+    /// Index of the first such allocation's event in the trace.
+    pub first_event: usize,
+    /// Index of the last one's.
+    pub last_event: usize,
 }
 
 /// One sample of a replay's timeline.
@@ -122,6 +147,8 @@ pub struct ReplayOptions {
     /// so that host waits are counted only where the GPU would not have got there yet.
     /// `None`: they complete only when the host waits for them (every wait counted).
     pub gpu_lag_us: Option<u64>,
+    /// Record which allocations remapped pages ([`PolicyResult::remap_sites`]).
+    pub remap_sites: bool,
 }
 
 /// A function given the allocator at the end of a replay.
@@ -136,6 +163,7 @@ impl Default for ReplayOptions {
             timeline_points: 0,
             at_end: None,
             gpu_lag_us: None,
+            remap_sites: false,
         }
     }
 }
@@ -281,6 +309,7 @@ pub fn replay_on(
     // Events recorded by the policy, with the trace time they were recorded at (GPU lag model).
     let mut lagging: std::collections::VecDeque<(u64, EventHandle)> = Default::default();
     let mut previous_time = 0u64;
+    let mut sites: FxHashMap<(u64, u64), RemapSite> = FxHashMap::default();
     for (i, e) in trace.events.iter().enumerate() {
         if i % quarter == 0 && i > 0 {
             calls_at.push(alloc.driver_calls());
@@ -318,8 +347,29 @@ pub fn replay_on(
                         Err(err) => return Err(err),
                     }
                 }
+                let unmapped_before = opts.remap_sites.then(|| unmapped_pages(&alloc));
                 match alloc.allocate(e.size, e.stream) {
                     Ok(a) => {
+                        if let Some(before) = unmapped_before {
+                            let pages = unmapped_pages(&alloc) - before;
+                            if pages > 0 {
+                                let site = sites.entry((e.size, e.stream)).or_insert(RemapSite {
+                                    size: e.size,
+                                    stream: e.stream,
+                                    allocations: 0,
+                                    pages: 0,
+                                    pages_second_half: 0,
+                                    first_event: i,
+                                    last_event: i,
+                                });
+                                site.allocations += 1;
+                                site.pages += pages;
+                                if i >= n / 2 {
+                                    site.pages_second_half += pages;
+                                }
+                                site.last_event = i;
+                            }
+                        }
                         allocs += 1;
                         live_now += e.size;
                         if let Some(t) = touch {
@@ -455,7 +505,17 @@ pub fn replay_on(
         fidelity,
         notes: alloc.policy_notes(),
         lower_reference: None,
+        remap_sites: {
+            let mut v: Vec<RemapSite> = sites.into_values().collect();
+            v.sort_by(|a, b| (b.pages, a.size, a.stream).cmp(&(a.pages, b.size, b.stream)));
+            v
+        },
     })
+}
+
+/// Pages unmapped so far on the allocator's device.
+fn unmapped_pages(alloc: &Allocator) -> u64 {
+    alloc.device().lock().calls().pages(DriverCall::MemUnmap)
 }
 
 /// Replays `trace` under each policy, in parallel threads.

@@ -314,3 +314,53 @@ fn prefetch_runs_that_free_in_other_orders_map_the_same_pages() {
         "pages mapped and peak held per run: {seen:?}"
     );
 }
+
+/// `--remap-sites` on a recorded prefetch run: recording them changes nothing, and they say
+/// where the remapping is (the forward pass's 32 MiB weight casts, on the compute stream).
+#[test]
+fn remap_sites_name_the_allocations_that_unmap_pages_without_changing_the_replay() {
+    let f = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../traces/prefetch_runs/s18_prefetch_mlp.gpumem.720.pickle.gz");
+    let t = trace::load(&f, 0, None).unwrap();
+    let plain = ReplayOptions {
+        gpu_lag_us: Some(10_000),
+        ..ReplayOptions::default()
+    };
+    let with_sites = ReplayOptions {
+        remap_sites: true,
+        ..plain.clone()
+    };
+    let a = replay(&t, PolicyKind::Stitched, &plain, None).unwrap();
+    let b = replay(&t, PolicyKind::Stitched, &with_sites, None).unwrap();
+    assert!(a.remap_sites.is_empty(), "not recorded unless asked for");
+    assert_eq!(
+        (a.peak_held_bytes, &a.driver_calls, a.calls_by_quarter),
+        (b.peak_held_bytes, &b.driver_calls, b.calls_by_quarter)
+    );
+    let sites = &b.remap_sites;
+    assert!(!sites.is_empty());
+    assert!(
+        sites.windows(2).all(|w| w[0].pages >= w[1].pages),
+        "most pages first"
+    );
+    let top = &sites[0];
+    assert_eq!(top.size, 32 << 20, "the weight casts remap most: {sites:?}");
+    let compute = sites.iter().filter(|s| s.stream == top.stream).count();
+    assert!(
+        compute >= 3,
+        "most sites are the compute stream's: {sites:?}"
+    );
+    for s in sites {
+        assert!(s.allocations >= 1 && s.pages >= s.allocations);
+        assert!(s.pages_second_half <= s.pages && s.first_event <= s.last_event);
+    }
+    // Every unmap of a replay comes from an allocation's slow path, and each call unmaps at
+    // least one page.
+    let pages: u64 = sites.iter().map(|s| s.pages).sum();
+    let unmap_calls = b.driver_calls["cuMemUnmap"].as_u64().unwrap();
+    assert!(
+        pages >= unmap_calls && unmap_calls > 0,
+        "{pages} pages, {unmap_calls} calls"
+    );
+    assert!(sites.iter().map(|s| s.allocations).sum::<u64>() <= b.allocs);
+}

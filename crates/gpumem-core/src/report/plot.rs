@@ -383,6 +383,7 @@ mod tests {
             fidelity: None,
             notes: Vec::new(),
             lower_reference: None,
+            remap_sites: Vec::new(),
         }
     }
 

@@ -102,14 +102,68 @@ pub fn render(
                 "stitched makes {} driver calls in the last quarter of the trace (about {:.1} ms \
                  estimated): the layout keeps moving after warm-up, and in a real run these calls \
                  are host time. Add `--conf slack:0.08` to see what up to 8 % spare pages would \
-                 save. In a run, the pool adds spare pages by itself once remapping keeps taking \
-                 more than `remap_budget` of the time (a fifth by default; docs/stitched.md).\n",
+                 save; `--remap-sites` lists the allocations that remap. In a run, the pool adds \
+                 spare pages by itself once remapping keeps taking more than `remap_budget` of \
+                 the time (a fifth by default; docs/stitched.md).\n",
                 r.calls_by_quarter[3],
                 1000.0 * r.est_seconds_by_quarter[3]
             ));
         }
     }
+    for r in results {
+        out.push_str(&remap_sites(r, REMAP_SITES_SHOWN));
+    }
     out
+}
+
+/// Rows of the remap-site table shown (`gpumem replay --remap-sites`); the JSON has them all.
+const REMAP_SITES_SHOWN: usize = 12;
+
+/// The allocations that remapped pages under one policy (`--remap-sites`), most pages first:
+/// the sizes whose placement keeps landing on virtual pages whose physical page went
+/// elsewhere. Empty when there were none or they were not recorded.
+pub fn remap_sites(r: &PolicyResult, shown: usize) -> String {
+    if r.remap_sites.is_empty() {
+        return String::new();
+    }
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_header(vec![
+            "size asked",
+            "stream",
+            "allocations that remapped",
+            "pages unmapped",
+            "in the second half",
+            "events",
+        ]);
+    for s in r.remap_sites.iter().take(shown) {
+        let row = vec![
+            Cell::new(format_size(s.size)),
+            Cell::new(format!("{:#x}", s.stream)),
+            Cell::new(s.allocations),
+            Cell::new(s.pages),
+            Cell::new(s.pages_second_half),
+            Cell::new(format!("{}–{}", s.first_event, s.last_event)),
+        ];
+        t.add_row(
+            row.into_iter()
+                .map(|c| c.set_alignment(CellAlignment::Right))
+                .collect::<Vec<_>>(),
+        );
+    }
+    let total: u64 = r.remap_sites.iter().map(|s| s.pages).sum();
+    let more = r.remap_sites.len().saturating_sub(shown);
+    format!(
+        "{}: allocations that unmapped pages to place their block, by size asked and stream \
+         ({total} pages in all{}):\n{t}\n",
+        r.policy,
+        if more > 0 {
+            format!("; {more} more sizes in --json")
+        } else {
+            String::new()
+        }
+    )
 }
 
 /// How far above the lower reference (as a share of live bytes) stitched must be on a
@@ -145,6 +199,7 @@ mod tests {
             fidelity: None,
             notes: Vec::new(),
             lower_reference: None,
+            remap_sites: Vec::new(),
         }
     }
 
