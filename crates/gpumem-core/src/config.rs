@@ -10,7 +10,7 @@
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
-//! | `range` | auto, stream, shared | stitched: one virtual range per stream, or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all); auto (default): a range per stream until one thread allocates on a second stream (a pipeline), then one shared range |
+//! | `range` | auto, stream, shared | stitched: one virtual range per stream, or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all); auto (default): the first stream's range alone until a second stream allocates, then that range shared by all |
 //! | `spill` | auto, off, n ≥ 1 | stitched, with `range:shared` (or `range:auto` once shared): when a stream places blocks in a range of its own; auto (default): for good, once the shared range's lock is contended (threads that do nothing but allocate); n: every n-th allocation (a testing aid) |
 //! | `trade_budget` | 0 < f ≤ 1, or `off` | stitched, several streams: share of the time that moving idle pages between streams may cost before the streams keep their own peaks instead (default 0.1) |
 //! | `history` | entries | keep a ring buffer of the last N allocation events (0: off) |

@@ -395,34 +395,30 @@ fn bytes_freed_after_a_use_elsewhere_are_handed_over_as_of_the_free() {
     t.alloc.check().unwrap();
 }
 
-/// `range:auto`, the default: a range per stream until one thread allocates on a second
-/// stream (as a prefetch pipeline does), then one range shared by the streams, joined before
-/// the second stream places anything; stream order holds byte by byte across the switch.
+fn joined(alloc: &Allocator) -> bool {
+    alloc
+        .policy_notes()
+        .iter()
+        .any(|n| n.contains("range:auto"))
+}
+
+/// `range:auto`, the default: the first stream's range alone until a second stream
+/// allocates, then that range shared by both, before the second stream places anything;
+/// stream order holds byte by byte across the switch.
 #[test]
-fn a_thread_that_allocates_on_two_streams_puts_them_in_one_range() {
-    let joined = |t: &ByteAudit| {
-        t.alloc
-            .policy_notes()
-            .iter()
-            .any(|n| n.contains("range:auto"))
-    };
+fn a_second_stream_shares_the_first_streams_range() {
     let mut t = ByteAudit::new("policy:stitched,slack:0", 1 << 30);
     let a = t.allocate(4 * MIB, S1);
-    assert!(!joined(&t), "one stream: a range of its own");
-    // This thread's first allocation on S2: the streams share a range from now on, and S2's
-    // first block is already in it.
+    assert!(!joined(&t.alloc), "one stream: a range of its own");
+    // S2's first allocation: the streams share S1's range from now on, and S2's first block
+    // is already in it.
     let b = t.allocate(64 << 10, S2);
-    assert!(joined(&t), "{:?}", t.alloc.policy_notes());
+    assert!(joined(&t.alloc), "{:?}", t.alloc.policy_notes());
     let c = t.allocate(64 << 10, S1);
     assert_eq!(t.mixed_pages, 1, "S1's new block shares S2's page");
-    assert_eq!(
-        t.alloc.held_bytes(),
-        3 * PAGE,
-        "a's two pages in S1's own range, one shared"
-    );
-    // S1's block in its own range goes back there; the shared range takes that range's idle
-    // pages, through events: 8 MiB after the small blocks need four more pages, two new (up
-    // to the peak in use) and a's two.
+    assert_eq!(t.alloc.held_bytes(), 3 * PAGE, "a's two pages, one shared");
+    // a's bytes go to S2 through an event: 8 MiB after the small blocks need four more pages,
+    // two new (up to the peak in use) and a's two.
     t.free(&a, None);
     let d = t.allocate(8 * MIB, S2);
     assert_eq!(t.alloc.held_bytes(), 5 * PAGE, "a's pages reused, two new");
@@ -433,10 +429,44 @@ fn a_thread_that_allocates_on_two_streams_puts_them_in_one_range() {
     t.alloc.check().unwrap();
 }
 
-/// Threads that each allocate on their own stream keep ranges of their own with `range:auto`
-/// (no lock shared between threads): the streams never share a page.
+/// What the first stream placed before the switch (a model's weights) stays where it is, in
+/// the range the streams now share: the second stream's small blocks fill its pages, and a
+/// block freed after a use on another stream, still pending at the switch, is released
+/// there and handed over in order.
 #[test]
-fn threads_on_their_own_streams_keep_their_own_ranges_by_default() {
+fn the_first_streams_blocks_share_their_pages_after_the_switch() {
+    let mut t = ByteAudit::new("policy:stitched,slack:0", 1 << 30);
+    let w = t.allocate(64 << 10, S1);
+    let x = t.allocate(256 << 10, S1);
+    let used = t.free(&x, Some(S2));
+    let y = t.allocate(64 << 10, S2);
+    assert!(joined(&t.alloc), "{:?}", t.alloc.policy_notes());
+    assert_eq!(
+        t.mixed_pages, 1,
+        "S2's first block shares the weights' page"
+    );
+    assert_eq!(t.alloc.held_bytes(), PAGE);
+    // x's bytes are reused only once it is released, and by S2 only after S1's event.
+    t.complete(&x, used);
+    let z = t.allocate(256 << 10, S2);
+    assert_eq!(z.ptr, x.ptr, "the released block, best fit");
+    assert!(
+        t.handovers > 0,
+        "x's bytes went to S2 without the audit seeing it"
+    );
+    assert_eq!(t.alloc.held_bytes(), PAGE, "still the one page");
+    for a in [w, y, z] {
+        t.free(&a, None);
+    }
+    t.alloc.check().unwrap();
+    assert_eq!(t.alloc.memory_stats().allocated_bytes.all.current, 0);
+}
+
+/// Threads that each allocate on their own stream share the first one's range by default
+/// too: their small blocks share a page. (A thread that waits for the range's lock too long
+/// spills to a range of its own; see the spill tests.)
+#[test]
+fn threads_on_their_own_streams_share_one_range_by_default() {
     let (sim, _ctl) = SimBackend::new(SimConfig::default());
     let alloc = std::sync::Arc::new(
         Allocator::new(Box::new(sim), Config::parse("policy:stitched").unwrap()).unwrap(),
@@ -454,19 +484,8 @@ fn threads_on_their_own_streams_keep_their_own_ranges_by_default() {
     for h in handles {
         h.join().unwrap();
     }
-    assert!(
-        !alloc
-            .policy_notes()
-            .iter()
-            .any(|n| n.contains("range:auto")),
-        "{:?}",
-        alloc.policy_notes()
-    );
-    assert_eq!(
-        alloc.peak_held_bytes(),
-        2 * PAGE,
-        "a page per stream's range"
-    );
+    assert!(joined(&alloc), "{:?}", alloc.policy_notes());
+    assert_eq!(alloc.peak_held_bytes(), PAGE, "one page for both streams");
     alloc.check().unwrap();
 }
 

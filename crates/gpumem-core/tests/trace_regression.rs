@@ -49,8 +49,8 @@ fn check_trace((name, expandable_anchor, fixed_shapes, reference): (&str, f64, b
     );
     assert_eq!(s.ooms, 0);
     // Warm-ups grow the pool and their remapping stops: the remap budget buys no spare pages
-    // (one stream each, except prefetch's two, which share a range: the replay's one thread
-    // allocates on both, `range:auto`; the only note allowed says so).
+    // (one stream each, except prefetch's two, which share the first one's range,
+    // `range:auto`; the only note allowed says so).
     assert!(budgets_untouched(&s.notes), "{name}: {:?}", s.notes);
     if fixed_shapes {
         assert_eq!(
@@ -110,8 +110,8 @@ fn prefetch_mlp() {
     check_trace(TRACES[4]);
 }
 
-/// Whether the policy's notes say nothing but that a thread's streams came to share a range
-/// (`range:auto`): no budget raised spare pages or stopped page trading.
+/// Whether the policy's notes say nothing but that a second stream came to share the first
+/// one's range (`range:auto`): no budget raised spare pages or stopped page trading.
 fn budgets_untouched(notes: &[String]) -> bool {
     notes.iter().all(|n| n.contains("range:auto"))
 }
@@ -176,38 +176,38 @@ fn unseen_training_and_decoding_workloads() {
 }
 
 /// An inference server: four threads, each on its own stream, serving requests of random size
-/// (recorded with the set above). The one recorded workload where stitched misses the 1.02
-/// bound: each stream places its blocks in its own virtual range, so small blocks of different
-/// streams cannot share a page, and at the peak the pages touched are 1.05 of the live bytes.
-/// Its overhead is still under a tenth of PyTorch's (native 1.80, expandable 1.66). This guards the
-/// figure against regressions (the replay is deterministic: 1.0512 when the trace was added,
-/// bounded here at 1.056); it is not the target. Best-fit placement does not reach the bound on
-/// this trace even with pages free to move: its lower reference (every block best-fit in one
-/// range shared by all streams, each page held only while touched) is itself 1.0272. With
-/// `range:shared` it is within the bound (next test).
+/// (recorded with the set above). With a range per stream (`range:stream`) small blocks of
+/// different streams cannot share a page, and at the peak the pages touched are 1.05 of the
+/// live bytes. By default (`range:auto`) the first stream's range, which holds the model's
+/// weights, becomes the one the streams share when the second stream comes: within the bound
+/// (1.0191 when that changed, 2026-12-03), below the trace's lower reference (1.0272: every
+/// block best-fit in one range, pages held only while touched, stream order ignored), which
+/// page-aware placement beats by packing small blocks onto pages already touched.
 #[test]
-fn multi_stream_server_known_miss() {
+fn multi_stream_server() {
+    check_unseen("validation/serve_threads.pickle.gz");
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/validation");
     let t = trace::load(&root.join("serve_threads.pickle.gz"), 0, None).unwrap();
-    let opts = ReplayOptions::default();
-    let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
-    let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
-    let e = replay(&t, PolicyKind::Expandable, &opts, None).unwrap();
-    assert!(s.ratio <= 1.056, "stitched ratio {:.4} > 1.056", s.ratio);
+    let s = replay(&t, PolicyKind::Stitched, &ReplayOptions::default(), None).unwrap();
+    assert_eq!(s.range, Some("auto"));
     let r = lower_reference(&t, DEFAULT_PAGE);
     assert!(
         (r.ratio - 1.0272).abs() < 0.00005,
         "lower reference {:.5}",
         r.ratio
     );
+    let per_stream = ReplayOptions {
+        config: gpumem_core::Config::parse("range:stream").unwrap(),
+        ..ReplayOptions::default()
+    };
+    let own = replay(&t, PolicyKind::Stitched, &per_stream, None).unwrap();
     assert!(
-        s.ratio - 1.0 < 0.1 * (e.ratio.min(n.ratio) - 1.0),
-        "stitched {:.4} against native {:.4} and expandable {:.4}",
+        s.ratio < r.ratio && s.ratio < own.ratio - 0.02,
+        "server: default {:.4}, reference {:.4}, a range per stream {:.4}",
         s.ratio,
-        n.ratio,
-        e.ratio
+        r.ratio,
+        own.ratio
     );
-    assert_eq!(s.ooms, 0);
 }
 
 /// The same server, and the other traces with several streams, with every stream's blocks in

@@ -71,8 +71,9 @@ pub struct Allocator {
     shards: StreamTable<Shard>,
     tracker: Option<Mutex<Tracker>>,
     config: Config,
-    /// Threads that made a stream's shard (made its first allocation), for `range:auto`.
-    stream_threads: Mutex<Vec<std::thread::ThreadId>>,
+    /// The first stream that allocated, and whether a second one has come since (see
+    /// [`Allocator::note_new_stream`]).
+    first_stream: Mutex<(Option<Stream>, bool)>,
 }
 
 impl Allocator {
@@ -123,7 +124,7 @@ impl Allocator {
             shards: StreamTable::new(),
             tracker,
             config,
-            stream_threads: Mutex::new(Vec::new()),
+            first_stream: Mutex::new((None, false)),
         })
     }
 
@@ -167,9 +168,11 @@ impl Allocator {
     #[cold]
     #[inline(never)]
     fn new_shard(&self, stream: Stream) -> Result<(u32, &Shard), AllocError> {
-        self.shards
+        let mut made = false;
+        let found = self
+            .shards
             .get_or_insert(stream, || {
-                self.note_stream_thread();
+                made = true;
                 Shard {
                     stream,
                     state: ShardLock::new(ShardState {
@@ -182,26 +185,35 @@ impl Allocator {
                     }),
                 }
             })
-            .map(|(i, s)| (i as u32, s))
-            .ok_or(if stream == u64::MAX {
-                AllocError::ReservedStream { stream }
-            } else {
-                AllocError::TooManyStreams { limit: MAX_STREAMS }
-            })
+            .map(|(i, s)| (i as u32, s));
+        if made {
+            self.note_new_stream(stream);
+        }
+        found.ok_or(if stream == u64::MAX {
+            AllocError::ReservedStream { stream }
+        } else {
+            AllocError::TooManyStreams { limit: MAX_STREAMS }
+        })
     }
 
-    /// A stream's first allocation is on this thread: if the thread allocated on another
-    /// stream before, its streams form a pipeline (a copy stream beside a compute stream), and
-    /// with `range:auto` the streams share one range from now on, before the new stream places
-    /// anything. Streams of different threads keep ranges of their own: no lock is shared
-    /// between threads that each allocate on their own stream.
-    fn note_stream_thread(&self) {
-        let me = std::thread::current().id();
-        let mut threads = self.stream_threads.lock();
-        if threads.contains(&me) {
-            self.factory.streams_share_memory();
-        } else {
-            threads.push(me);
+    /// A stream's shard was made (its first allocation comes next). At the second stream,
+    /// the first stream's policy opens its pool to the device's streams: with the stitched
+    /// policy's `range:auto`, its range becomes the one they all share, before the new
+    /// stream places anything. (The first stream's shard is complete: it was noted after
+    /// it was made.)
+    fn note_new_stream(&self, stream: Stream) {
+        let mut first = self.first_stream.lock();
+        match *first {
+            (None, _) => first.0 = Some(stream),
+            (Some(f), false) if f != stream => {
+                first.1 = true;
+                if let Some((_, sh)) = self.shards.get(f) {
+                    sh.state.lock().policy.open_range_to_streams();
+                }
+                // Shared from now on even if the first stream's policy had nothing to open.
+                self.factory.streams_share_memory();
+            }
+            _ => {}
         }
     }
 

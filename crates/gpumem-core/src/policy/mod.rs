@@ -205,6 +205,11 @@ pub trait Policy: Send {
 
     /// Checks internal invariants; for tests.
     fn check(&self) -> Result<(), String>;
+
+    /// A second stream came (`range:auto`): the stitched policy's first stream makes its
+    /// range the one its device's streams share, and from then on they place their blocks
+    /// there. Other policies keep a pool per stream. Called with this stream's shard locked.
+    fn open_range_to_streams(&mut self) {}
 }
 
 /// The policies gpumem knows.
@@ -326,13 +331,13 @@ pub enum RangeMode {
     /// their small blocks; placement takes one lock for all streams (a stream that waits for
     /// it too long spills to a range of its own, [`shared_range::Spill`]).
     Shared,
-    /// Ranges per stream until one host thread allocates on a second stream, then one shared
-    /// range, joined before that stream places anything (`range:auto`, the default). Streams
-    /// one thread drives form a pipeline (a copy stream beside a compute stream): one range
-    /// lets their layouts nest instead of each stream keeping its own, and its lock is never
-    /// contended between them. Threads that each allocate on their own stream (workers,
-    /// servers) keep ranges of their own, with no lock shared between threads; `range:shared`
-    /// puts them in one range too.
+    /// The first stream's range alone until a second stream allocates; then that range
+    /// becomes the one shared range (`range:auto`, the default), before the second stream
+    /// places anything. A program with one stream never pays for sharing (the lock, the
+    /// freed-bytes records); a pipeline's streams nest their layouts in one range; threads on
+    /// streams of their own share pages for their small blocks, and one that waits for the
+    /// lock too long spills to a range of its own, as with `range:shared`. The first
+    /// stream's blocks (a model's weights) stay where they are, in the shared range.
     Auto,
 }
 
@@ -461,8 +466,9 @@ impl PolicyFactory {
             .collect()
     }
 
-    /// A thread allocates on a second stream: with `range:auto`, the streams place their
-    /// blocks in one shared range from now on.
+    /// A second stream allocates: with `range:auto`, the streams place their blocks in one
+    /// shared range from now on (the first stream's, opened by
+    /// [`Policy::open_range_to_streams`] just before).
     pub fn streams_share_memory(&self) {
         if let Some(s) = self.spills.as_ref() {
             s.share();

@@ -178,7 +178,9 @@ struct ShardPages {
     base: u64,
     /// Other shards may take its idle pages. Not a shared range's: its pages were last used
     /// by any of its streams, which only the range's own slow path knows how to wait for.
-    lends: bool,
+    /// Cleared when a stream's range becomes the shared one (written under the pool's lock,
+    /// which every reader holds).
+    lends: AtomicBool,
     local: Mutex<Local>,
 }
 
@@ -415,6 +417,15 @@ impl PagePool {
         c
     }
 
+    /// Shard `shard`'s idle pages are no longer lent to other shards (its range became a
+    /// shared one, see [`Stitched::keeps_pages`]).
+    fn stop_lending(&self, shard: u32) {
+        let p = self.inner.lock();
+        if let Some(sh) = p.shards.get(shard as usize) {
+            sh.lends.store(false, Ordering::Relaxed);
+        }
+    }
+
     fn register(
         &self,
         stream: Stream,
@@ -439,7 +450,7 @@ impl PagePool {
         let sh = Arc::new(ShardPages {
             stream,
             base,
-            lends,
+            lends: AtomicBool::new(lends),
             local: Mutex::new(local),
         });
         p.shards.push(sh.clone());
@@ -570,7 +581,7 @@ impl PagePool {
         let mut created: Vec<u32> = Vec::new();
         let mut todo: Vec<u32> = Vec::new();
         // Idle pages this shard may take: its own, and those of shards that lend.
-        let may_take = |i: usize| i == m || shards[i].lends;
+        let may_take = |i: usize| i == m || shards[i].lends.load(Ordering::Relaxed);
         for &v in need {
             let slot = all.guards[m].map[v as usize];
             if slot != NONE {
@@ -1352,6 +1363,35 @@ impl Stitched {
     pub(crate) fn keeps_pages(mut self) -> Self {
         self.lends = false;
         self
+    }
+
+    /// A range built for one stream becomes a shared one (see `SharedCore::adopt`): its
+    /// blocks smaller than a page go where they touch the fewest untouched pages from now on,
+    /// and its idle pages are no longer lent to other ranges, from now on.
+    pub(crate) fn become_shared(&mut self) {
+        self.page_aware = true;
+        self.lends = false;
+        if self.shard != NONE {
+            self.pool.stop_lending(self.shard);
+        }
+    }
+
+    /// Whether nothing was ever placed here (no virtual space reserved yet).
+    pub(crate) fn is_unused(&self) -> bool {
+        self.shard == NONE
+    }
+
+    /// The pending blocks (freed while used on other streams, not yet released): address and
+    /// size.
+    pub(crate) fn pending_blocks(&self) -> Vec<(u64, u64)> {
+        self.set
+            .live_addrs()
+            .filter_map(|a| {
+                self.set
+                    .pending_at(a)
+                    .map(|id| (a, self.set.block(id).size))
+            })
+            .collect()
     }
 
     /// Whether `addr` lies in this range's virtual space.

@@ -78,7 +78,9 @@ pub fn render(
         }
     }
     if let (Some(refr), Some(st)) = (reference, results.iter().find(|r| r.policy == "stitched")) {
-        let per_stream = st.range != Some("shared");
+        // Only ranges per stream keep the streams' blocks apart (`range:auto` shares the first
+        // stream's range once a second stream comes).
+        let per_stream = st.range == Some("stream");
         if per_stream && refr.streams >= 2 && st.ratio - refr.ratio > REFERENCE_GAP_HINT {
             out.push_str(&format!(
                 "stitched holds {:.4} of live, {:.4} above the lower reference: each of the \
@@ -233,6 +235,7 @@ mod tests {
         };
         let mut st = result("stitched", 0);
         st.ratio = 1.0512;
+        st.range = Some("stream");
         let out = render("t", 10, &[st.clone()], Some(&reference(5)));
         assert!(
             out.contains("lower reference (shared/ANCHORS.md §1): 1.0272 of live"),
@@ -243,11 +246,14 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("--conf range:shared"), "{out}");
-        // Already in a shared range: the line would be wrong.
-        let mut shared = st.clone();
-        shared.range = Some("shared");
-        let out = render("t", 10, &[shared], Some(&reference(5)));
-        assert!(!out.contains("above the lower reference"), "{out}");
+        // Already in a shared range (from the start, or from the second stream on by
+        // default): the line would be wrong.
+        for range in ["shared", "auto"] {
+            let mut shared = st.clone();
+            shared.range = Some(range);
+            let out = render("t", 10, &[shared], Some(&reference(5)));
+            assert!(!out.contains("above the lower reference"), "{range}: {out}");
+        }
         // One stream: the gap is not the ranges'; close to the reference: nothing to explain.
         let one = render("t", 10, &[st.clone()], Some(&reference(1)));
         assert!(!one.contains("above the lower reference"), "{one}");
