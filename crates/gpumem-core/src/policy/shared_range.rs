@@ -6,7 +6,7 @@
 //! different streams never share a 2 MiB page: a server whose five threads each keep a few
 //! small blocks live holds a partly used page per thread and per gap (1.05 of live on the
 //! server trace, against 1.03 for best fit in one range; docs/stitched.md). Here every stream
-//! places its blocks in one range, under one lock, blocks under a page go to the end of their
+//! places its blocks in one range, under one lock, blocks of at most 64 KiB go to the end of their
 //! free block that touches fewer untouched pages, and three rules keep stream order:
 //!
 //! - Bytes a stream freed are remembered with the stream and the pool epoch of the free
