@@ -621,6 +621,8 @@ fn threads_on_their_own_streams_share_the_range_safely() {
     threads_free_each_others_blocks(SHARED);
     // With every other allocation in the thread's own range.
     threads_free_each_others_blocks(&format!("{SHARED},spill:2"));
+    // The default: the first thread's range becomes the shared one while the others start.
+    threads_free_each_others_blocks("policy:stitched");
 }
 
 fn threads_free_each_others_blocks(conf: &str) {
@@ -684,6 +686,9 @@ fn threads_free_each_others_blocks(conf: &str) {
     });
     for a in handed.into_inner().unwrap() {
         alloc.free(a.ptr).unwrap();
+    }
+    if !conf.contains("range:") {
+        assert!(joined(&alloc), "{:?}", alloc.policy_notes());
     }
     alloc.check().unwrap();
     assert_eq!(alloc.memory_stats().allocated_bytes.all.current, 0);
