@@ -262,20 +262,27 @@ impl SharedCore {
             self.range = Some(range.page_aware().keeps_pages());
         } else if me == 1 {
             self.shared = true;
-            let range = self.range.as_ref().expect("made with the first stream");
-            self.owner = range.live_addrs().map(|a| (a, 0)).collect();
             let stamp = self.pool.epoch_now();
-            self.clocks.freed(0, stamp);
-            self.dirty.insert(
-                0,
-                Dirty {
-                    end: u64::MAX,
-                    stream: 0,
-                    stamp,
-                },
-            );
+            self.all_freed_by(0, stamp);
         }
         me
+    }
+
+    /// The range's live blocks are stream `me`'s, and all its bytes count as freed by `me` at
+    /// pool epoch `stamp` (when the range starts being shared: nothing was recorded before).
+    fn all_freed_by(&mut self, me: u32, stamp: u64) {
+        let range = self.range.as_ref().expect("made with the first stream");
+        self.owner = range.live_addrs().map(|a| (a, me)).collect();
+        self.clocks.freed(me, stamp);
+        self.dirty.clear();
+        self.dirty.insert(
+            0,
+            Dirty {
+                end: u64::MAX,
+                stream: me,
+                stamp,
+            },
+        );
     }
 
     /// Stream `me`'s own range becomes the shared one (`range:auto`, when a second stream
@@ -296,20 +303,10 @@ impl SharedCore {
         for (addr, size) in range.pending_blocks() {
             self.pending.insert(addr, (size, stamp));
         }
-        if self.shared {
-            self.owner.extend(range.live_addrs().map(|a| (a, me)));
-            self.clocks.freed(me, stamp);
-            self.dirty.clear();
-            self.dirty.insert(
-                0,
-                Dirty {
-                    end: u64::MAX,
-                    stream: me,
-                    stamp,
-                },
-            );
-        }
         self.range = Some(range);
+        if self.shared {
+            self.all_freed_by(me, stamp);
+        }
     }
 
     fn range(&mut self) -> &mut Stitched {
@@ -804,10 +801,9 @@ impl SharedStitched {
     /// sit on pages of their own (the server trace: 1.0298 of live instead of 1.0191).
     #[inline]
     fn own_range(&mut self) -> &mut Stitched {
-        let apart = !self.counted.together();
         self.own.get_or_insert_with(|| {
             let r = Stitched::new(self.stream, self.pool.clone(), self.va_bytes);
-            if apart {
+            if !self.counted.together() {
                 r.page_aware()
             } else {
                 r
