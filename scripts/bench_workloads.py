@@ -606,6 +606,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, help="override every workload's step count")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every pair this many times, interleaved; ratios are per round, then the median")
+    ap.add_argument("--rotate", action="store_true",
+                    help="with --repeat: rotate the allocators' order from one round to the next, "
+                         "so that each runs first in some rounds")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CONF",
                     help="an extra gpumem allocator NAME (starting with 'gpumem-') run with GPUMEM_CONF=CONF")
     # Child mode (used by the parent).
@@ -649,6 +652,12 @@ def main() -> int:
     i = 0
     for rnd in range(args.repeat):
         results = {}
+        if args.rotate:
+            # Each allocator runs first in some rounds: the first run of a round can be slower
+            # (a GPU idle since the last round), which would otherwise favour the later ones.
+            k = rnd % len(allocators)
+            order = allocators[k:] + allocators[:k]
+            pairs = [(w, a) for w in workloads for a in order]
         for w, a in pairs:
             i += 1
             print(f"[{i}/{n}] {w} under {a}" + (f" (round {rnd + 1})" if args.repeat > 1 else "") + " ...",

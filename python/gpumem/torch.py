@@ -440,8 +440,9 @@ def driver_calls(device: DeviceLike = None) -> Dict[str, Dict[str, float]]:
 def policy_notes(device: DeviceLike = None) -> List[str]:
     """What gpumem's policy on ``device`` changed on its own so far, one line each: for
     instance the stitched policy's streams no longer taking each other's idle pages, once
-    moving them cost more than ``trade_budget`` of the time, or its spare pages raised once
-    remapping cost more than ``remap_budget``. Empty if nothing changed."""
+    moving them cost more than ``trade_budget`` of the time, its spare pages raised once
+    remapping cost more than ``remap_budget``, or pages it made instead of remaps once several
+    streams shared a range (``shared_spare``). Empty if nothing changed."""
     return list(_native.torch_policy_notes(_device_index(device)))
 
 

@@ -8,6 +8,7 @@
 //! | `fraction` | 0 < f ≤ 1 | cap on memory held, as a share of the device |
 //! | `cap` | bytes | cap on memory held |
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
+//! | `shared_spare` | 0..1 | stitched, several streams in one range: pages made rather than remapped while the pages held stay within this share of the range's live peak (default 0.015) |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
 //! | `range` | auto, stream, shared | stitched: one virtual range per stream, or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all); auto (default): the first stream's range alone until a second stream allocates, then that range shared by all |
@@ -184,6 +185,17 @@ impl Config {
                             AllocError::Config(format!("slack:{v}: expected a number in [0, 10]"))
                         })?
                 }
+                "shared_spare" => {
+                    c.options.shared_spare = v
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|s| (0.0..=1.0).contains(s))
+                        .ok_or_else(|| {
+                            AllocError::Config(format!(
+                                "shared_spare:{v}: expected a number in [0, 1]"
+                            ))
+                        })?
+                }
                 "va_factor" => {
                     c.options.va_factor = v
                         .parse::<u64>()
@@ -235,7 +247,7 @@ impl Config {
                 _ => {
                     return Err(AllocError::Config(format!(
                         "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
-                         va_factor, stream_pages, range, spill, trade_budget, remap_budget, history, leak_check, backtraces, \
+                         shared_spare, va_factor, stream_pages, range, spill, trade_budget, remap_budget, history, leak_check, backtraces, \
                          costs)"
                     )))
                 }
@@ -286,6 +298,17 @@ mod tests {
         assert_eq!(c.cap, Some(Amount::Bytes(40 * GIB)));
         assert_eq!(c.options.slack, 0.02);
         assert_eq!(c.costs, CostModel::zero());
+        assert_eq!(
+            Config::parse("shared_spare:0.03")
+                .unwrap()
+                .options
+                .shared_spare,
+            0.03
+        );
+        assert_eq!(
+            Config::parse("").unwrap().options.shared_spare,
+            crate::policy::SHARED_SPARE
+        );
         assert!(!c.options.own_stream_peaks);
         assert!(
             Config::parse("stream_pages:own")
@@ -373,6 +396,9 @@ mod tests {
             ("nonsense", "key:value"),
             ("colour:blue", "unknown key 'colour'"),
             ("slack:-1", "slack"),
+            ("shared_spare:-0.01", "shared_spare"),
+            ("shared_spare:2", "shared_spare"),
+            ("shared_spare:NaN", "shared_spare"),
             ("stream_pages:mine", "expected shared or own"),
             ("range:one", "expected auto, stream or shared"),
             ("spill:0", "expected auto, off or a count"),

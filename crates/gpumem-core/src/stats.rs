@@ -368,6 +368,18 @@ impl Tally {
         }
     }
 
+    /// Highest value of both pools together.
+    #[inline]
+    pub fn all_peak(&self) -> u64 {
+        self.all_peak.max(0) as u64
+    }
+
+    /// Current value of both pools together.
+    #[inline]
+    pub fn all_current(&self) -> u64 {
+        (self.pools[0].current + self.pools[1].current).max(0) as u64
+    }
+
     /// Sets the marks to the current values.
     fn reset_peaks(&mut self) {
         for c in &mut self.pools {

@@ -695,3 +695,51 @@ fn threads_free_each_others_blocks(conf: &str) {
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.held_bytes(), 0, "every page returned");
 }
+
+/// Once several streams place in one range, a virtual page that needs a page gets a new one
+/// rather than a remapped idle one while the pages held stay within `shared_spare` (1.5 % by
+/// default) of the range's live peak. A program with one stream, and `shared_spare:0`, remap
+/// the idle pages as before; stream order holds byte by byte either way.
+#[test]
+fn streams_in_one_range_make_spare_pages_up_to_a_share_of_the_live_peak() {
+    // a and b (100 pages each) on S1; a freed; then 101 pages on `second`, which do not fit
+    // in a's hole: they go above b, where no page is mapped. The peak in use becomes 201
+    // pages, the live peak 201 pages' worth of bytes.
+    let held_after = |conf: &str, second: Stream| {
+        let mut t = ByteAudit::new(conf, 2 << 30);
+        let a = t.allocate(100 * PAGE, S1);
+        let b = t.allocate(100 * PAGE, S1);
+        t.free(&a, None);
+        let c = t.allocate(101 * PAGE, second);
+        let held = t.alloc.held_bytes() / PAGE;
+        let live_peak = 201;
+        assert!(
+            held as f64 <= 1.015 * live_peak as f64,
+            "{conf}: {held} pages held for a live peak of {live_peak}"
+        );
+        for z in [b, c] {
+            t.free(&z, None);
+        }
+        t.alloc.check().unwrap();
+        let noted = t
+            .alloc
+            .policy_notes()
+            .iter()
+            .any(|n| n.contains("shared_spare"));
+        assert_eq!(noted, held > 201, "{conf}: {:?}", t.alloc.policy_notes());
+        (held, joined(&t.alloc))
+    };
+    // Two streams: floor(1.015 x 201) = 204 pages, so four are made before a's 100 idle pages
+    // are remapped for the other 97.
+    assert_eq!(held_after("policy:stitched", S2), (204, true));
+    assert_eq!(
+        held_after("policy:stitched,shared_spare:0", S2),
+        (201, true)
+    );
+    assert_eq!(
+        held_after("policy:stitched,shared_spare:0.005", S2),
+        (202, true)
+    );
+    // One stream: its layouts repeat, so it keeps no spare pages.
+    assert_eq!(held_after("policy:stitched", S1), (201, false));
+}

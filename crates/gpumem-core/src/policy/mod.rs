@@ -316,6 +316,14 @@ pub struct PolicyOptions {
     /// [`REMAP_SLACK_MAX`] of the peak in use, up to [`REMAP_SLACK_MAX`] more than configured.
     /// Spare pages are made only where a remap would otherwise happen. Infinite: never.
     pub remap_budget: f64,
+    /// Stitched, several streams in one range: while the pages held stay within this share
+    /// of the live peak (the peak bytes of the range's live blocks), a virtual page that needs
+    /// a page gets a new one instead of a remapped idle one. Streams that interleave
+    /// differently from step to step (a prefetch pipeline) keep changing their layout, and a
+    /// pool held at the peak of pages in use then remaps at every new one. Programs with one
+    /// stream repeat their layouts and never use it. Below the 1.02 bound, with room for the
+    /// rounding to whole pages.
+    pub shared_spare: f64,
 }
 
 /// Where the stitched policy's streams place their blocks.
@@ -371,6 +379,9 @@ pub const REMAP_WINDOWS_IN_A_ROW: u32 = 3;
 /// adds this times the share of the time remapping took: 9 % when it took 90 %.
 pub const REMAP_SLACK_MAX: f64 = 0.1;
 
+/// Default of [`PolicyOptions::shared_spare`].
+pub const SHARED_SPARE: f64 = 0.015;
+
 /// Shortest stretch of time (on the device's clock, microseconds) over which the stitched
 /// policy's page trading is held against [`PolicyOptions::trade_budget`]: long against the
 /// burst of page moves a new batch shape brings, short against a program's life.
@@ -386,6 +397,7 @@ impl Default for PolicyOptions {
             spill: shared_range::Spill::Auto,
             trade_budget: 0.1,
             remap_budget: 0.2,
+            shared_spare: SHARED_SPARE,
         }
     }
 }
@@ -448,19 +460,22 @@ impl PolicyFactory {
     }
 
     /// What the policy changed on its own while running, one line each (the stitched
-    /// policy's streams stopping page trading; its spare pages raised by the remap budget;
-    /// with a shared range, streams spilling to ranges of their own).
+    /// policy's streams stopping page trading; its spare pages raised by the remap budget, or
+    /// made where streams share a range; with a shared range, streams spilling to ranges of
+    /// their own).
     pub fn notes(&self) -> Vec<String> {
         let Some(p) = self.pages.as_ref() else {
             return Vec::new();
         };
         let trade = p.trading_stopped().map(|t| t.to_string());
         let remap = p.spare_raised().map(|r| r.to_string());
+        let spare = p.shared_spare_note();
         let joined = self.spills.as_ref().and_then(|s| s.joined_note());
         let spill = self.spills.as_ref().and_then(|s| s.note());
         trade
             .into_iter()
             .chain(remap)
+            .chain(spare)
             .chain(joined)
             .chain(spill)
             .collect()

@@ -69,6 +69,10 @@ pub(crate) enum Order<'a> {
         /// placed on it later must wait for the allocating stream (see
         /// `SharedCore::allocate`).
         moved_in: &'a mut Vec<u32>,
+        /// Peak bytes of the blocks live in the range, this request included, once several
+        /// streams place there (0 before): the measure of the spare pages the pool may keep
+        /// instead of remapping ([`PolicyOptions::shared_spare`]).
+        live_peak: u64,
     },
 }
 
@@ -217,6 +221,9 @@ struct Pages {
     over_in_a_row: u32,
     /// Spare pages added by the remap budget (share of the peak in use), and why.
     raised: SpareRaise,
+    /// Pages made where streams share a range instead of remapping an idle one
+    /// (`shared_spare`).
+    shared_spares: u64,
 }
 
 /// Slow paths of one kind (trades, remaps) since a window started, on the device's clock.
@@ -352,6 +359,7 @@ pub struct PagePool {
     own_stream_peaks: AtomicBool,
     trade_budget: f64,
     remap_budget: f64,
+    shared_spare: f64,
     /// Streams registered: marks are recorded only when there are several.
     streams: AtomicU64,
 }
@@ -390,6 +398,7 @@ impl PagePool {
                 stopped_trading: None,
                 remaps_window: BudgetWindow::default(),
                 created: 0,
+                shared_spares: 0,
                 created_at_window: 0,
                 remaps_at_window: 0,
                 over_in_a_row: 0,
@@ -404,6 +413,7 @@ impl PagePool {
             own_stream_peaks: AtomicBool::new(opts.own_stream_peaks),
             trade_budget: opts.trade_budget,
             remap_budget: opts.remap_budget,
+            shared_spare: opts.shared_spare.max(0.0),
             streams: AtomicU64::new(0),
         }
     }
@@ -489,6 +499,7 @@ impl PagePool {
             clocks,
             me: acting,
             moved_in,
+            ..
         } = order
         {
             if !moved.is_empty() {
@@ -577,6 +588,15 @@ impl PagePool {
         }
         .max(p.peak_seen);
         let budget = ((1.0 + self.slack + p.raised.added) * peak as f64).ceil() as u64;
+        // Several streams in one range interleave differently from one step to the next, so
+        // their layouts do not repeat as a single stream's do: a page is made rather than
+        // remapped while the pages held stay within `shared_spare` of the live peak.
+        let spare_cap = match order {
+            Order::Shared { live_peak, .. } => {
+                ((1.0 + self.shared_spare) * *live_peak as f64 / self.page as f64) as u64
+            }
+            Order::Own => 0,
+        };
         let remaps_before = p.remaps;
         // Streams whose idle pages are taken, with the latest epoch one of them went idle.
         let mut others: Vec<(u32, u64)> = Vec::new();
@@ -611,7 +631,10 @@ impl PagePool {
                 .sum::<usize>()
         };
         for &v in &todo {
-            let want_new = idle_total(&all) == 0 || p.held < budget || d.reserve_unused() > 0;
+            let idle = idle_total(&all);
+            let want_new =
+                idle == 0 || p.held < budget || p.held < spare_cap || d.reserve_unused() > 0;
+            let spare = want_new && idle > 0 && p.held >= budget && d.reserve_unused() == 0;
             let mut slot = None;
             if want_new {
                 match d.create_page(Pool::Large) {
@@ -619,6 +642,9 @@ impl PagePool {
                         let s = Self::new_slot(&mut p, &mut all, h, me);
                         created.push(s);
                         p.created += 1;
+                        if spare {
+                            p.shared_spares += 1;
+                        }
                         slot = Some(s);
                     }
                     Err(e) if e.out_of_memory && idle_total(&all) > 0 => {}
@@ -660,6 +686,7 @@ impl PagePool {
             clocks,
             me: acting,
             moved_in,
+            ..
         } = order
         {
             // In a shared range a page taken from the idle list was last used, through
@@ -812,6 +839,19 @@ impl PagePool {
     pub fn spare_raised(&self) -> Option<SpareRaise> {
         let p = self.inner.lock();
         (p.raised.raises > 0).then_some(p.raised)
+    }
+
+    /// What `shared_spare` did, if it made any page: a line for the policy's notes.
+    pub fn shared_spare_note(&self) -> Option<String> {
+        let n = self.inner.lock().shared_spares;
+        (n > 0).then(|| {
+            format!(
+                "stitched: streams share a range, so {n} time(s) a page was made instead of \
+                 remapping an idle one, the pages held staying within {:.1} % of the range's live \
+                 peak (shared_spare; shared_spare:0 turns it off)",
+                100.0 * self.shared_spare
+            )
+        })
     }
 
     /// When and why the streams stopped taking each other's pages (see
@@ -1410,6 +1450,12 @@ impl Stitched {
     /// Addresses of the live (allocated or pending) blocks.
     pub(crate) fn live_addrs(&self) -> impl Iterator<Item = u64> + '_ {
         self.set.live_addrs()
+    }
+
+    /// Peak bytes of the blocks live in this range if a block of `size` bytes were added now.
+    pub(crate) fn live_peak_with(&self, size: u64) -> u64 {
+        let live = &self.set.stats.allocated_bytes;
+        live.all_peak().max(live.all_current() + round_size(size))
     }
 
     /// The addresses of virtual page `v`.
