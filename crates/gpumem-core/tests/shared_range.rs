@@ -742,4 +742,10 @@ fn streams_in_one_range_make_spare_pages_up_to_a_share_of_the_live_peak() {
     );
     // One stream: its layouts repeat, so it keeps no spare pages.
     assert_eq!(held_after("policy:stitched", S1), (201, false));
+    // A cap on the memory held comes first: at 202 pages the pool makes one spare page and
+    // remaps the rest, without an out-of-memory error.
+    assert_eq!(
+        held_after(&format!("policy:stitched,cap:{}", 202 * PAGE), S2),
+        (202, true)
+    );
 }
