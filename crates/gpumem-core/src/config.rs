@@ -123,6 +123,14 @@ fn one_of(key: &str, v: &str, off: &str, on: &str) -> Result<bool, AllocError> {
 }
 
 /// A share of the time in (0, 1], or `off` (infinite: never), for the budget keys.
+/// A number in `[lo, hi]` (NaN refused).
+fn number_in(key: &str, v: &str, lo: f64, hi: f64) -> Result<f64, AllocError> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|x| (lo..=hi).contains(x))
+        .ok_or_else(|| AllocError::Config(format!("{key}:{v}: expected a number in [{lo}, {hi}]")))
+}
+
 fn share_or_off(key: &str, v: &str) -> Result<f64, AllocError> {
     if v == "off" {
         return Ok(f64::INFINITY);
@@ -176,26 +184,8 @@ impl Config {
                     }
                     a => c.cap = Some(a),
                 },
-                "slack" => {
-                    c.options.slack = v
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|s| (0.0..=10.0).contains(s))
-                        .ok_or_else(|| {
-                            AllocError::Config(format!("slack:{v}: expected a number in [0, 10]"))
-                        })?
-                }
-                "shared_spare" => {
-                    c.options.shared_spare = v
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|s| (0.0..=1.0).contains(s))
-                        .ok_or_else(|| {
-                            AllocError::Config(format!(
-                                "shared_spare:{v}: expected a number in [0, 1]"
-                            ))
-                        })?
-                }
+                "slack" => c.options.slack = number_in(k, v, 0.0, 10.0)?,
+                "shared_spare" => c.options.shared_spare = number_in(k, v, 0.0, 1.0)?,
                 "va_factor" => {
                     c.options.va_factor = v
                         .parse::<u64>()

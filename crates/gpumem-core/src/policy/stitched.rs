@@ -632,9 +632,10 @@ impl PagePool {
         };
         for &v in &todo {
             let idle = idle_total(&all);
-            let want_new =
-                idle == 0 || p.held < budget || p.held < spare_cap || d.reserve_unused() > 0;
-            let spare = want_new && idle > 0 && p.held >= budget && d.reserve_unused() == 0;
+            let reserve = d.reserve_unused() > 0;
+            // A page only `shared_spare` allows: idle pages exist, nothing else asks for one.
+            let spare = idle > 0 && p.held >= budget && p.held < spare_cap && !reserve;
+            let want_new = idle == 0 || p.held < budget || reserve || spare;
             let mut slot = None;
             if want_new {
                 match d.create_page(Pool::Large) {
