@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 
-const NIL: u32 = u32::MAX;
 /// Sizes below 2^MIN_FL share the first class.
 const MIN_FL: u32 = 9;
 const FL_COUNT: usize = 64 - MIN_FL as usize;
@@ -32,12 +31,13 @@ struct Node {
     gen: u64,
 }
 
-/// Segregated free lists.
+/// Segregated free lists. Each class's list is circular through a head node: the first
+/// [`CLASSES`] nodes are the heads, block `id` is node `CLASSES + id`, so that linking and
+/// unlinking never branch on an end of the list.
 pub struct Bins {
-    heads: Vec<u32>,
+    nodes: Vec<Node>,
     fl_bits: u64,
     sl_bits: [u32; FL_COUNT],
-    nodes: Vec<Node>,
     len: usize,
     /// Searches so far: blocks inserted between two searches are one generation.
     gen: u64,
@@ -45,6 +45,9 @@ pub struct Bins {
 
 /// Number of size classes.
 pub(crate) const CLASSES: usize = FL_COUNT * SL_COUNT;
+
+/// A head's generation: never a search's, so the ordered walk of `Bins::insert` stops there.
+const HEAD_GEN: u64 = u64::MAX;
 
 /// The size class of `size`, as one index below [`CLASSES`].
 #[inline]
@@ -64,47 +67,64 @@ fn class(size: u64) -> (usize, usize) {
 impl Bins {
     fn new() -> Self {
         Self {
-            heads: vec![NIL; FL_COUNT * SL_COUNT],
+            nodes: (0..CLASSES as u32)
+                .map(|h| Node {
+                    prev: h,
+                    next: h,
+                    size: 0,
+                    addr: 0,
+                    gen: HEAD_GEN,
+                })
+                .collect(),
             fl_bits: 0,
             sl_bits: [0; FL_COUNT],
-            nodes: Vec::new(),
             len: 0,
             gen: 0,
         }
     }
 
     fn insert(&mut self, id: u32, size: u64, addr: u64) {
-        let (fl, sl) = class(size);
-        let b = fl * SL_COUNT + sl;
-        let head = self.heads[b];
-        if self.nodes.len() <= id as usize {
-            self.nodes.resize(
-                id as usize + 1,
-                Node {
-                    prev: NIL,
-                    next: NIL,
-                    size: 0,
-                    addr: 0,
-                    gen: 0,
-                },
-            );
-        }
+        let head = class_index(size);
+        let i = id as usize + CLASSES;
         // Most recently freed first, but the blocks freed since the last search (one
         // generation) in address order: frees that come together (a backward pass, another
         // thread's) arrive in an order that varies from run to run, and the placements that
         // follow must not (22 recorded prefetch runs, replayed: 1,411-1,607 pages mapped,
         // depending on that order; 1,411 on every one with it). A search starts a generation,
-        // so a loop that frees and allocates one block at a time stops at the head. The walk
-        // is bounded: beyond SORT_MAX blocks of one generation in a class, order is kept only
-        // among the first ones (50,000 frees of one size without an allocation, in rising
-        // address order: 2.6 s unbounded, 6 ms with the bound; dev).
-        let gen = self.gen;
-        let mut prev = NIL;
-        let mut next = head;
-        for _ in 0..SORT_MAX {
-            if next == NIL {
-                break;
+        // so a loop that frees and allocates one block at a time stops at the head: the common
+        // case, handled here without a call so that it needs few registers.
+        if i < self.nodes.len() {
+            let first = self.nodes[head].next;
+            let n = &self.nodes[first as usize];
+            if n.gen != self.gen || n.addr > addr {
+                self.link(i, head, head as u32, first, size, addr);
+                return;
             }
+        }
+        self.insert_slow(i, head, size, addr);
+    }
+
+    /// [`Bins::insert`] of a new block id or behind blocks of the current generation.
+    #[inline(never)]
+    fn insert_slow(&mut self, i: usize, head: usize, size: u64, addr: u64) {
+        if i >= self.nodes.len() {
+            let blank = Node {
+                prev: 0,
+                next: 0,
+                size: 0,
+                addr: 0,
+                gen: 0,
+            };
+            self.nodes.resize(i + 1, blank);
+        }
+        // The walk is bounded: beyond SORT_MAX blocks of one generation in a class, order is
+        // kept only among the first ones (50,000 frees of one size without an allocation, in
+        // rising address order: 2.6 s unbounded, 6 ms with the bound; dev). It stops at the
+        // head too, whose generation is no search's.
+        let gen = self.gen;
+        let mut prev = head as u32;
+        let mut next = self.nodes[head].next;
+        for _ in 0..SORT_MAX {
             let n = &self.nodes[next as usize];
             if n.gen != gen || n.addr > addr {
                 break;
@@ -112,39 +132,34 @@ impl Bins {
             prev = next;
             next = n.next;
         }
-        self.nodes[id as usize] = Node {
+        self.link(i, head, prev, next, size, addr);
+    }
+
+    /// Puts node `i` between `prev` and `next` in the list of class `head`.
+    #[inline(always)]
+    fn link(&mut self, i: usize, head: usize, prev: u32, next: u32, size: u64, addr: u64) {
+        self.nodes[i] = Node {
             prev,
             next,
             size,
             addr,
-            gen,
+            gen: self.gen,
         };
-        if next != NIL {
-            self.nodes[next as usize].prev = id;
-        }
-        if prev != NIL {
-            self.nodes[prev as usize].next = id;
-        } else {
-            self.heads[b] = id;
-        }
+        self.nodes[next as usize].prev = i as u32;
+        self.nodes[prev as usize].next = i as u32;
+        let (fl, sl) = (head / SL_COUNT, head % SL_COUNT);
         self.fl_bits |= 1 << fl;
         self.sl_bits[fl] |= 1 << sl;
         self.len += 1;
     }
 
     fn remove(&mut self, id: u32) {
-        let n = self.nodes[id as usize];
-        let (fl, sl) = class(n.size);
-        let b = fl * SL_COUNT + sl;
-        if n.prev != NIL {
-            self.nodes[n.prev as usize].next = n.next;
-        } else {
-            self.heads[b] = n.next;
-        }
-        if n.next != NIL {
-            self.nodes[n.next as usize].prev = n.prev;
-        }
-        if self.heads[b] == NIL {
+        let Node { prev, next, .. } = self.nodes[id as usize + CLASSES];
+        self.nodes[prev as usize].next = next;
+        self.nodes[next as usize].prev = prev;
+        // Neighbours the same on both sides: the block was alone, between its head and itself.
+        if prev == next {
+            let (fl, sl) = (prev as usize / SL_COUNT, prev as usize % SL_COUNT);
             self.sl_bits[fl] &= !(1 << sl);
             if self.sl_bits[fl] == 0 {
                 self.fl_bits &= !(1 << fl);
@@ -156,11 +171,12 @@ impl Bins {
     fn best_fit(&mut self, size: u64) -> Option<u32> {
         self.gen += 1;
         let (fl, sl) = class(size);
+        let head = (fl * SL_COUNT + sl) as u32;
         // The request's own class: the best of its first few blocks that fit.
-        let mut id = self.heads[fl * SL_COUNT + sl];
+        let mut id = self.nodes[head as usize].next;
         let mut best: Option<(u64, u64, u32)> = None;
         for _ in 0..SCAN {
-            if id == NIL {
+            if id == head {
                 break;
             }
             let n = &self.nodes[id as usize];
@@ -170,41 +186,45 @@ impl Bins {
             id = n.next;
         }
         if let Some((_, _, id)) = best {
-            return Some(id);
+            return Some(id - CLASSES as u32);
         }
         // Any block of a larger class fits: take the head of the smallest one.
-        let sl_above = self.sl_bits[fl] & (!0u32).checked_shl(sl as u32 + 1).unwrap_or(0);
+        let sl_above = self.sl_bits[fl] & ((!0u32 << sl) << 1);
         let larger = if sl_above != 0 {
             Some((fl, sl_above.trailing_zeros() as usize))
         } else {
-            let fl_above = self.fl_bits & (!0u64).checked_shl(fl as u32 + 1).unwrap_or(0);
+            let fl_above = self.fl_bits & ((!0u64 << fl) << 1);
             (fl_above != 0).then(|| {
                 let f = fl_above.trailing_zeros() as usize;
                 (f, self.sl_bits[f].trailing_zeros() as usize)
             })
         };
         if let Some((f, s)) = larger {
-            return Some(self.heads[f * SL_COUNT + s]);
+            return Some(self.nodes[f * SL_COUNT + s].next - CLASSES as u32);
         }
         // Nothing larger: the rest of the request's own class is the last chance.
-        let mut best: Option<(u64, u64, u32)> = None;
-        while id != NIL {
+        while id != head {
             let n = &self.nodes[id as usize];
             if n.size >= size && best.is_none_or(|(s, a, _)| (n.size, n.addr) < (s, a)) {
                 best = Some((n.size, n.addr, id));
             }
             id = n.next;
         }
-        best.map(|(_, _, id)| id)
+        best.map(|(_, _, id)| id - CLASSES as u32)
+    }
+
+    /// The node of block `id`.
+    fn node(&self, id: u32) -> &Node {
+        &self.nodes[id as usize + CLASSES]
     }
 
     fn ids(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len);
-        for &h in &self.heads {
-            let mut id = h;
-            while id != NIL {
-                out.push(id);
-                id = self.nodes[id as usize].next;
+        for h in 0..CLASSES as u32 {
+            let mut i = self.nodes[h as usize].next;
+            while i != h {
+                out.push(i - CLASSES as u32);
+                i = self.nodes[i as usize].next;
             }
         }
         out
@@ -274,7 +294,7 @@ impl FreeIndex {
                 let mut v: Vec<_> = b
                     .ids()
                     .into_iter()
-                    .map(|id| (b.nodes[id as usize].size, b.nodes[id as usize].addr, id))
+                    .map(|id| (b.node(id).size, b.node(id).addr, id))
                     .filter(|&(s, _, _)| s >= size)
                     .collect();
                 v.sort_unstable();
@@ -294,7 +314,7 @@ impl FreeIndex {
             FreeIndex::Ordered(m) => m.get(&(size, addr)) == Some(&id),
             FreeIndex::Binned(b) => {
                 b.ids().contains(&id) && {
-                    let n = b.nodes[id as usize];
+                    let n = b.node(id);
                     n.size == size && n.addr == addr
                 }
             }
@@ -324,11 +344,12 @@ impl FreeIndex {
                 }
                 let fl = 63 - b.fl_bits.leading_zeros() as usize;
                 let sl = 31 - b.sl_bits[fl].leading_zeros() as usize;
-                let mut id = b.heads[fl * SL_COUNT + sl];
+                let head = (fl * SL_COUNT + sl) as u32;
+                let mut i = b.nodes[head as usize].next;
                 let mut max = 0;
-                while id != NIL {
-                    max = max.max(b.nodes[id as usize].size);
-                    id = b.nodes[id as usize].next;
+                while i != head {
+                    max = max.max(b.nodes[i as usize].size);
+                    i = b.nodes[i as usize].next;
                 }
                 max
             }
