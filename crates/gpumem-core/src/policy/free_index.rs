@@ -32,7 +32,7 @@ struct Node {
 }
 
 /// Segregated free lists. Each class's list is circular through a head node: the first
-/// [`CLASSES`] nodes are the heads, block `id` is node `CLASSES + id`, so that linking and
+/// `CLASSES` nodes are the heads, block `id` is node `CLASSES + id`, so that linking and
 /// unlinking never branch on an end of the list.
 pub struct Bins {
     nodes: Vec<Node>,
