@@ -13,7 +13,9 @@ native-again). Per allocator it prints, over all its runs' timed steps:
   millisecond in the driver is a millisecond of step, the host is the bottleneck);
 - the median excess of the steps with (almost) no driver time, and of those with at least
   0.5 ms of it;
-- per run: mean driver ms, mean excess, and the pages mapped in the timed steps.
+- per run: mean driver ms, mean excess, and the pages mapped in the timed steps; and, where
+  steps made a host wait (`cuEventSynchronize`), their mean excess less the median excess of
+  the same run's steps without driver calls, which takes out the run's own offset.
 
 Usage: python3 scripts/step_driver_time.py BENCH_WORKLOADS.jsonl [--workload prefetch_mlp]
 No dependency beyond Python 3."""
@@ -85,8 +87,18 @@ def main():
             ys += ry
             if per_step:
                 maps = sum(per_step[i].get("cuMemMap", [0, 0])[0] for i in range(WARMUP, steps))
-                details.append(f"  {name} run {k}: driver {statistics.mean(rx):.2f} ms/step, "
-                               f"excess {statistics.mean(ry):+.2f} ms/step, {maps} pages mapped")
+                line = (f"  {name} run {k}: driver {statistics.mean(rx):.2f} ms/step, "
+                        f"excess {statistics.mean(ry):+.2f} ms/step, {maps} pages mapped")
+                # Steps with a host wait against the same run's steps without driver calls:
+                # the run's own offset (this host moves whole runs by several %) cancels.
+                waits = [y for i, y in zip(range(WARMUP, steps), ry)
+                         if per_step[i].get("cuEventSynchronize", [0, 0])[0] > 0]
+                quiet = [y for x, y in zip(rx, ry) if x < QUIET_MS]
+                if waits and quiet:
+                    line += (f"; {len(waits)} steps with a host wait, "
+                             f"{statistics.mean(waits) - statistics.median(quiet):+.1f} ms "
+                             "each against the run's quiet steps")
+                details.append(line)
         mx, my = statistics.mean(xs), statistics.mean(ys)
         sxx = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
