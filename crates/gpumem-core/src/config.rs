@@ -122,7 +122,6 @@ fn one_of(key: &str, v: &str, off: &str, on: &str) -> Result<bool, AllocError> {
     }
 }
 
-/// A share of the time in (0, 1], or `off` (infinite: never), for the budget keys.
 /// A number in `[lo, hi]` (NaN refused).
 fn number_in(key: &str, v: &str, lo: f64, hi: f64) -> Result<f64, AllocError> {
     v.parse::<f64>()
@@ -131,6 +130,7 @@ fn number_in(key: &str, v: &str, lo: f64, hi: f64) -> Result<f64, AllocError> {
         .ok_or_else(|| AllocError::Config(format!("{key}:{v}: expected a number in [{lo}, {hi}]")))
 }
 
+/// A share of the time in (0, 1], or `off` (infinite: never), for the budget keys.
 fn share_or_off(key: &str, v: &str) -> Result<f64, AllocError> {
     if v == "off" {
         return Ok(f64::INFINITY);

@@ -408,21 +408,17 @@ impl SharedCore {
 
     fn allocate(&mut self, me: u32, size: u64, dev: &Device) -> Result<Placement, BackendError> {
         self.moved_in.clear();
-        let range = self
-            .range
-            .as_mut()
-            .expect("made when the first stream came");
-        let live_peak = if self.shared {
-            range.live_peak_with(size)
-        } else {
-            0
-        };
         let mut order = Order::Shared {
             clocks: &mut self.clocks,
             me,
             moved_in: &mut self.moved_in,
-            live_peak,
+            together: self.shared,
+            live_peak: 0,
         };
+        let range = self
+            .range
+            .as_mut()
+            .expect("made when the first stream came");
         let p = range.allocate_in(size, dev, &mut order)?;
         if !self.shared {
             return Ok(p);

@@ -69,9 +69,12 @@ pub(crate) enum Order<'a> {
         /// placed on it later must wait for the allocating stream (see
         /// `SharedCore::allocate`).
         moved_in: &'a mut Vec<u32>,
+        /// Several streams place in the range (before the switch of `range:auto`, one).
+        together: bool,
         /// Peak bytes of the blocks live in the range, this request included, once several
-        /// streams place there (0 before): the measure of the spare pages the pool may keep
-        /// instead of remapping ([`PolicyOptions::shared_spare`]).
+        /// streams place there (0 otherwise): the measure of the spare pages the pool may keep
+        /// instead of remapping ([`PolicyOptions::shared_spare`]). Set by the range where a
+        /// block needs pages, the only place the pool reads it.
         live_peak: u64,
     },
 }
@@ -1453,12 +1456,6 @@ impl Stitched {
         self.set.live_addrs()
     }
 
-    /// Peak bytes of the blocks live in this range if a block of `size` bytes were added now.
-    pub(crate) fn live_peak_with(&self, size: u64) -> u64 {
-        let live = &self.set.stats.allocated_bytes;
-        live.all_peak().max(live.all_current() + round_size(size))
-    }
-
     /// The addresses of virtual page `v`.
     pub(crate) fn page_span(&self, v: u32) -> (u64, u64) {
         let start = self.base + ((v as u64) << self.shift);
@@ -1573,6 +1570,16 @@ impl Stitched {
         let Some(l) = local else {
             return Ok(());
         };
+        if let Order::Shared {
+            together: true,
+            live_peak,
+            ..
+        } = order
+        {
+            // The range's live peak if this block were added now (`size` is rounded).
+            let live = &self.set.stats.allocated_bytes;
+            *live_peak = live.all_peak().max(live.all_current() + size);
+        }
         let claimed = self.pool.claim(self.shard, sp, l, dev, scratch, order);
         if claimed.is_err() {
             for v in range {
