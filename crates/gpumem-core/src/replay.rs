@@ -62,6 +62,8 @@ pub struct PolicyResult {
     pub est_driver_seconds: f64,
     /// Driver calls in each quarter of the trace (by event index).
     pub calls_by_quarter: [u64; 4],
+    /// Each quarter's driver calls by kind (the last one: a training loop's steady state).
+    pub calls_by_quarter_by_kind: [serde_json::Value; 4],
     /// Estimated driver seconds in each quarter.
     pub est_seconds_by_quarter: [f64; 4],
     /// Requests that failed for lack of memory.
@@ -443,10 +445,12 @@ pub fn replay_on(
     calls_at.push(calls.clone());
     let mut calls_by_quarter = [0u64; 4];
     let mut est_by_quarter = [0f64; 4];
+    let mut calls_by_quarter_by_kind: [serde_json::Value; 4] = Default::default();
     let mut prev = CallCounts::default();
     for (q, c) in calls_at.iter().take(4).enumerate() {
         let d = c.since(&prev);
         calls_by_quarter[q] = d.total();
+        calls_by_quarter_by_kind[q] = d.to_json();
         est_by_quarter[q] = d.est_seconds();
         prev = c.clone();
     }
@@ -489,6 +493,7 @@ pub fn replay_on(
             peak_held_bytes as f64 / peak_live_bytes as f64
         },
         driver_calls: calls.to_json(),
+        calls_by_quarter_by_kind,
         driver_calls_total: calls.total(),
         est_driver_seconds: calls.est_seconds(),
         calls_by_quarter,

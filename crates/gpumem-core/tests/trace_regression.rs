@@ -1,7 +1,7 @@
 //! Replays the five real PyTorch traces of ANCHORS.md §1 (bundled in traces/anchors/, converted
 //! from shared/traces/ with `gpumem convert`) and checks each policy's numbers:
-//! - stitched: peak held ÷ peak live ≤ 1.02 on every trace, and no driver call in the last
-//!   quarter of the fixed-shape training traces (steady state);
+//! - stitched: peak held ÷ peak live ≤ 1.02 on every trace, and no driver call but event
+//!   records in the last quarter of the fixed-shape training traces (steady state);
 //! - native: the same segment allocations as the recorded allocator, peak held within 0.5 %;
 //! - expandable: within 2 % of the expandable-segments column of ANCHORS.md §1;
 //! - the lower reference (`gpumem_core::reference`): ANCHORS.md §1's own figures.
@@ -53,10 +53,20 @@ fn check_trace((name, expandable_anchor, fixed_shapes, reference): (&str, f64, b
     // `range:auto`; the only notes allowed say so, and what `shared_spare` did there).
     assert!(budgets_untouched(&s.notes), "{name}: {:?}", s.notes);
     if fixed_shapes {
-        assert_eq!(
-            s.calls_by_quarter[3], 0,
-            "{name}: stitched makes driver calls in the steady state: {:?}",
-            s.calls_by_quarter
+        // The steady state maps, unmaps and waits for nothing. Event records are allowed: a
+        // page taken back at another virtual page than the one it went idle from marks that
+        // point of the stream (once per request), so that moving the page left behind later
+        // never waits for work queued after it.
+        let q = s.calls_by_quarter_by_kind[3]
+            .as_object()
+            .expect("calls by kind");
+        let other: Vec<_> = q
+            .iter()
+            .filter(|(k, v)| k.as_str() != "cuEventRecord" && v.as_u64() != Some(0))
+            .collect();
+        assert!(
+            other.is_empty(),
+            "{name}: stitched makes driver calls in the steady state: {other:?}"
         );
     }
     let n = replay(&t, PolicyKind::Native, &opts, None).unwrap();
@@ -281,6 +291,29 @@ fn gpu_lag_changes_host_waits_not_memory() {
         zero < ten && ten <= none,
         "host waits: lag 0 {zero}, 10 ms {ten}, never complete {none}"
     );
+}
+
+/// A 64-step GPT-2 run with random lengths, recorded on the H200 (traces/runs/README.md): new
+/// longest lengths keep moving the layout after the warm-up, so virtual pages keep being moved
+/// to other physical pages. With the GPU 10 ms behind the host, none of those moves after the
+/// first quarter makes the host wait: each waits only for the point where its virtual page went
+/// idle, and an event marks that point where the page changed hands (before, 3 waits in each
+/// later quarter; on the H200 13-15 timed steps each waited 24-31 ms).
+#[test]
+fn a_long_random_length_run_makes_no_host_wait_after_its_first_quarter() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces/runs");
+    let t = trace::load(&root.join("gpt2_varlen64.gmt.gz"), 0, None).unwrap();
+    let opts = ReplayOptions {
+        gpu_lag_us: Some(10_000),
+        ..ReplayOptions::default()
+    };
+    let r = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+    assert!(r.ratio <= 1.02, "held / live {:.4}", r.ratio);
+    let count = |q: usize, kind: &str| r.calls_by_quarter_by_kind[q][kind].as_u64().unwrap_or(0);
+    let moved: u64 = (1..4).map(|q| count(q, "cuMemUnmap")).sum();
+    assert!(moved > 0, "the run must still move pages after its warm-up");
+    let waits: Vec<u64> = (0..4).map(|q| count(q, "cuEventSynchronize")).collect();
+    assert_eq!(&waits[1..], &[0, 0, 0], "host waits by quarter: {waits:?}");
 }
 
 /// The prefetch pipeline's runs free a step's tensors in orders that differ from run to run

@@ -104,6 +104,10 @@ struct Phys {
 struct Local {
     /// Virtual page -> physical slot, or NONE.
     map: Vec<u32>,
+    /// Virtual page -> pool epoch when it last went idle (its blocks' work was all queued by
+    /// then): what unmapping it waits for. Its physical page's own stamp may be later, when
+    /// another virtual page mapped to it went idle since.
+    vstamp: Vec<u64>,
     /// Idle pages owned by this stream, least recently idled first.
     idle: FreeList,
     /// Slot -> pool epoch when it went idle (to find the oldest idle page across streams);
@@ -158,6 +162,7 @@ impl Local {
         let slot = self.map[v as usize];
         debug_assert!(slot != NONE, "released page was mapped");
         self.stamp[slot as usize] = epoch;
+        self.vstamp[v as usize] = epoch;
         self.via[slot as usize] = v;
         self.idle.push_back(slot);
         self.idle_unmarked |= self.foreign[slot as usize];
@@ -457,6 +462,7 @@ impl PagePool {
         let mut p = self.inner.lock();
         let mut local = Local {
             map: vec![NONE; pages as usize],
+            vstamp: vec![0; pages as usize],
             idle: FreeList::default(),
             stamp: Vec::new(),
             busy: 0,
@@ -521,6 +527,25 @@ impl PagePool {
                     return Err(e);
                 }
                 moved_in.extend(moved.iter().map(|&(_, v)| v));
+            }
+        }
+        // A page taken back through another virtual page than the one it went idle from
+        // leaves that one pointing at a page in use: when a block next needs it, it must be
+        // unmapped after the work queued before it went idle. If no event was recorded on the
+        // stream since then, one is recorded now (once per request, not per page), so that
+        // the later unmap finds it long completed instead of recording a fresh one and making
+        // the host wait for everything queued by then (GPT-2 with random lengths: one such
+        // wait of 24-31 ms in each step that remapped, session 22).
+        let newest = l.events.back().map_or(0, |&(e, _)| e);
+        if matches!(order, Order::Own)
+            && moved
+                .iter()
+                .any(|&(s, _)| l.vstamp[l.via[s as usize] as usize] >= newest)
+        {
+            let mut d = dev.lock();
+            let epoch = self.next_epoch();
+            if let Ok(ev) = d.event_record(mine.stream) {
+                Self::push_event(&mut l, epoch, ev, &mut d);
             }
         }
         l.busy += fast.len() as u64;
@@ -896,14 +921,14 @@ impl PagePool {
             .map(|&(v, _)| v)
             .collect();
         if !stale.is_empty() {
-            // The stream's work before the pages went idle must be done. An event recorded by
-            // an earlier slow path after that usually has completed: then nothing waits.
+            // The stream's work before the virtual pages went idle must be done (their own
+            // idle stamps: the physical pages behind them may have gone idle later through
+            // other virtual pages). An event recorded after that (by a slow path, or when the
+            // page was taken through another virtual page, see `claim`) usually has
+            // completed: then nothing waits.
             let idle_since = stale
                 .iter()
-                .map(|&v| {
-                    let old = all.guards[m].map[v as usize] as usize;
-                    all.guards[m].stamp[old]
-                })
+                .map(|&v| all.guards[m].vstamp[v as usize])
                 .max()
                 .unwrap_or(u64::MAX);
             match order {

@@ -365,6 +365,7 @@ mod tests {
             driver_calls_total: 0,
             est_driver_seconds: 0.0,
             calls_by_quarter: [0; 4],
+            calls_by_quarter_by_kind: Default::default(),
             est_seconds_by_quarter: [0.0; 4],
             ooms: 0,
             allocs: 0,

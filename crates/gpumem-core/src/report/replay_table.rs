@@ -192,6 +192,7 @@ mod tests {
             driver_calls_total: 1000 + last_quarter,
             est_driver_seconds: 0.05,
             calls_by_quarter: [1000, 0, 0, last_quarter],
+            calls_by_quarter_by_kind: Default::default(),
             est_seconds_by_quarter: [0.05, 0.0, 0.0, 0.0009],
             ooms: 0,
             allocs: 10,
