@@ -19,7 +19,9 @@
 //! fast paths hold only their own list, so this cannot deadlock).
 //!
 //! Stream order: a virtual page is unmapped (to point it at another physical page) only after
-//! its stream has finished the work queued before (an event is recorded and waited for); a
+//! its stream has finished the work queued before that virtual page went idle (the first event
+//! recorded after that point is waited for; a page taken back through another virtual page
+//! records one there, so that it has usually completed by then); a
 //! physical page last used by another stream is handed over through an event that the new
 //! stream waits for on the device: the first one the old stream recorded after the page went
 //! idle. With several streams, a stream records one when pages it took from another go idle
