@@ -5,9 +5,9 @@
 //! rounding and split rules.
 
 use super::free_index::FreeIndex;
+use super::live_map::LiveMap;
 use super::{BlockInfo, BlockKind, SegmentInfo};
 use crate::stats::{BlockStats, Pool};
-use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 
 /// "No block".
@@ -46,6 +46,9 @@ pub struct Block {
     pub seg: u32,
     /// Pool the block counts in.
     pub pool: Pool,
+    /// Pool of the block's segment: the free index it goes to when free. (Kept in the block
+    /// so that the hot path need not look up the segment.)
+    heap: Pool,
     /// Life state.
     pub state: State,
     /// Neighbours in the quick cache's list of its size class (while Cached).
@@ -82,7 +85,7 @@ pub struct BlockSet {
     spare: Vec<u32>,
     free: [FreeIndex; 2],
     unmapped: [BTreeMap<u64, u32>; 2],
-    live: FxHashMap<u64, u32>,
+    live: LiveMap,
     segments: Vec<Segment>,
     spare_segments: Vec<u32>,
     /// Block statistics (allocation, active, inactive_split, *_bytes, requested_bytes).
@@ -124,7 +127,7 @@ impl BlockSet {
             spare: Vec::new(),
             free: [index(), index()],
             unmapped: [BTreeMap::new(), BTreeMap::new()],
-            live: FxHashMap::default(),
+            live: LiveMap::new(),
             segments: Vec::new(),
             spare_segments: Vec::new(),
             stats: BlockStats::default(),
@@ -186,7 +189,7 @@ impl BlockSet {
     /// Puts a block in the index its state calls for.
     fn index(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
-        let h = self.segments[b.seg as usize].pool.index();
+        let h = b.heap.index();
         match b.state {
             State::Free => self.index_free(id),
             State::Unmapped => {
@@ -201,14 +204,14 @@ impl BlockSet {
     /// Takes a block out of its index.
     fn unindex(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
-        let h = self.segments[b.seg as usize].pool.index();
+        let h = b.heap.index();
         match b.state {
             State::Free => self.unindex_free(id),
             State::Unmapped => {
                 self.unmapped[h].remove(&b.addr);
             }
             State::Allocated | State::Pending | State::Cached => {
-                self.live.remove(&b.addr);
+                self.live.remove(b.addr);
             }
         }
     }
@@ -219,8 +222,7 @@ impl BlockSet {
     fn index_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         debug_assert_eq!(b.state, State::Free);
-        let h = self.segments[b.seg as usize].pool.index();
-        self.free[h].insert(id, b.size, b.addr);
+        self.free[b.heap.index()].insert(id, b.size, b.addr);
     }
 
     /// Takes free block `id` out of the free index ([`BlockSet::unindex`]'s case of a free
@@ -229,8 +231,7 @@ impl BlockSet {
     fn unindex_free(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         debug_assert_eq!(b.state, State::Free);
-        let h = self.segments[b.seg as usize].pool.index();
-        self.free[h].remove(id, b.size, b.addr);
+        self.free[b.heap.index()].remove(id, b.size, b.addr);
     }
 
     /// Adds a segment made of one block in `state` (Free or Unmapped); returns the block.
@@ -256,6 +257,7 @@ impl BlockSet {
             next: NIL,
             seg,
             pool,
+            heap: pool,
             state,
             qprev: NIL,
             qnext: NIL,
@@ -342,12 +344,12 @@ impl BlockSet {
     /// The live (allocated or pending) block at `addr`.
     #[inline]
     pub fn live_at(&self, addr: u64) -> Option<u32> {
-        self.live.get(&addr).copied()
+        self.live.get(addr)
     }
 
     /// Addresses of the live (allocated or pending) blocks, in no order.
     pub fn live_addrs(&self) -> impl Iterator<Item = u64> + '_ {
-        self.live.keys().copied()
+        self.live.keys()
     }
 
     /// Number of live blocks.
@@ -359,8 +361,8 @@ impl BlockSet {
     pub fn is_free_start(&self, addr: u64) -> bool {
         let cached = self
             .live
-            .get(&addr)
-            .is_some_and(|&id| self.blocks[id as usize].state == State::Cached);
+            .get(addr)
+            .is_some_and(|id| self.blocks[id as usize].state == State::Cached);
         cached
             || self
                 .free
@@ -372,53 +374,57 @@ impl BlockSet {
     /// `split`, the remainder stays free as a new block after the allocated one. Returns the
     /// allocated block (same id, same address).
     pub fn allocate(&mut self, id: u32, size: u64, requested: u64, pool: Pool, split: bool) -> u32 {
-        self.unindex_free(id);
-        let already_split = self.block(id).is_split();
+        // The block's fields read once (the hot path: one allocation in two goes through here).
+        let (addr, found, prev, next, seg, heap) = {
+            let b = &self.blocks[id as usize];
+            debug_assert_eq!(b.state, State::Free);
+            (b.addr, b.size, b.prev, b.next, b.seg, b.heap)
+        };
+        self.free[heap.index()].remove(id, found, addr);
+        let already_split = prev != NIL || next != NIL;
         let track = self.track_split;
-        let seg_pool = self.segments[self.block(id).seg as usize].pool;
-        if split && self.block(id).size > size {
-            let b = self.block(id).clone();
+        let mut handed = found;
+        if split && found > size {
+            let rest_size = found - size;
             let rest = self.new_block(Block {
-                addr: b.addr + size,
-                size: b.size - size,
+                addr: addr + size,
+                size: rest_size,
                 requested: 0,
                 prev: id,
-                next: b.next,
-                seg: b.seg,
-                pool: seg_pool,
+                next,
+                seg,
+                pool: heap,
+                heap,
                 state: State::Free,
                 qprev: NIL,
                 qnext: NIL,
             });
-            if b.next != NIL {
-                self.b(b.next).prev = rest;
+            if next != NIL {
+                self.b(next).prev = rest;
             }
-            let bm = self.b(id);
-            bm.next = rest;
-            bm.size = size;
-            self.index_free(rest);
-            let rest_size = self.block(rest).size;
+            self.free[heap.index()].insert(rest, rest_size, addr + size);
+            self.b(id).next = rest;
+            handed = size;
             if track {
                 if already_split {
                     // An inactive split block shrinks by the bytes handed out.
-                    self.stats.inactive_split_bytes.dec(seg_pool, size);
+                    self.stats.inactive_split_bytes.dec(heap, size);
                 } else {
-                    self.stats.inactive_split_bytes.inc(seg_pool, rest_size);
-                    self.stats.inactive_split.inc(seg_pool, 1);
+                    self.stats.inactive_split_bytes.inc(heap, rest_size);
+                    self.stats.inactive_split.inc(heap, 1);
                 }
             }
         } else if already_split && track {
-            let s = self.block(id).size;
-            self.stats.inactive_split_bytes.dec(seg_pool, s);
-            self.stats.inactive_split.dec(seg_pool, 1);
+            self.stats.inactive_split_bytes.dec(heap, found);
+            self.stats.inactive_split.dec(heap, 1);
         }
         let b = self.b(id);
+        b.size = handed;
         b.state = State::Allocated;
         b.requested = requested;
         b.pool = pool;
-        let (size, addr) = (b.size, b.addr);
         self.live.insert(addr, id);
-        self.stats.block_handed_out(pool, size, requested);
+        self.stats.block_handed_out(pool, handed, requested);
         id
     }
 
@@ -426,8 +432,7 @@ impl BlockSet {
     #[inline]
     pub fn allocated_at(&self, addr: u64) -> Option<u32> {
         self.live
-            .get(&addr)
-            .copied()
+            .get(addr)
             .filter(|&id| self.blocks[id as usize].state == State::Allocated)
     }
 
@@ -444,8 +449,7 @@ impl BlockSet {
     #[inline]
     pub fn pending_at(&self, addr: u64) -> Option<u32> {
         self.live
-            .get(&addr)
-            .copied()
+            .get(addr)
             .filter(|&id| self.blocks[id as usize].state == State::Pending)
     }
 
@@ -478,42 +482,76 @@ impl BlockSet {
 
     /// A pending or cached block becomes a free block: merged with free neighbours, indexed,
     /// the inactive-split statistics updated. Returns it.
+    ///
+    /// The merges are written out here rather than through [`BlockSet::merge`]: the direction
+    /// of each is known, and the block's fields stay in registers until they are stored once.
     fn settle(&mut self, id: u32) -> u32 {
-        let was_cached = self.block(id).state == State::Cached;
-        debug_assert!(matches!(
-            self.block(id).state,
-            State::Cached | State::Pending
-        ));
-        self.live.remove(&self.blocks[id as usize].addr);
-        let seg_pool = self.segments[self.block(id).seg as usize].pool;
+        let (state, mut addr, mut size, mut prev, mut next, seg, heap) = {
+            let b = &self.blocks[id as usize];
+            (b.state, b.addr, b.size, b.prev, b.next, b.seg, b.heap)
+        };
+        debug_assert!(matches!(state, State::Cached | State::Pending));
+        self.live.remove(addr);
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
-        if was_cached && self.block(id).is_split() {
+        if state == State::Cached && (prev != NIL || next != NIL) {
             // A cached block counted as an inactive split block of its own.
             net_blocks -= 1;
-            net_bytes -= self.block(id).size as i64;
+            net_bytes -= size as i64;
+        }
+        let h = heap.index();
+        if prev != NIL && self.blocks[prev as usize].state == State::Free {
+            // The free block before takes this one's place: its start, its own predecessor.
+            let (p_addr, p_size, p_prev) = {
+                let p = &self.blocks[prev as usize];
+                (p.addr, p.size, p.prev)
+            };
+            self.free[h].remove(prev, p_size, p_addr);
+            if p_prev != NIL {
+                self.b(p_prev).next = id;
+            } else {
+                self.segments[seg as usize].head = id;
+            }
+            self.drop_block(prev);
+            addr = p_addr;
+            size += p_size;
+            prev = p_prev;
+            net_blocks -= 1;
+            net_bytes -= p_size as i64;
+        }
+        if next != NIL && self.blocks[next as usize].state == State::Free {
+            let (n_addr, n_size, n_next) = {
+                let n = &self.blocks[next as usize];
+                (n.addr, n.size, n.next)
+            };
+            self.free[h].remove(next, n_size, n_addr);
+            if n_next != NIL {
+                self.b(n_next).prev = id;
+            }
+            self.drop_block(next);
+            size += n_size;
+            next = n_next;
+            net_blocks -= 1;
+            net_bytes -= n_size as i64;
         }
         {
             let b = self.b(id);
             b.state = State::Free;
             b.requested = 0;
-            b.pool = seg_pool;
+            b.pool = heap;
+            b.addr = addr;
+            b.size = size;
+            b.prev = prev;
+            b.next = next;
         }
-        for cand in [self.block(id).prev, self.block(id).next] {
-            let sub = self.merge(id, cand);
-            if sub > 0 {
-                net_blocks -= 1;
-                net_bytes -= sub as i64;
-            }
-        }
-        self.index_free(id);
-        if self.block(id).is_split() {
+        self.free[h].insert(id, size, addr);
+        if prev != NIL || next != NIL {
             net_blocks += 1;
-            net_bytes += self.block(id).size as i64;
+            net_bytes += size as i64;
         }
         if self.track_split {
-            self.stats.inactive_split.change(seg_pool, net_blocks);
-            self.stats.inactive_split_bytes.change(seg_pool, net_bytes);
+            self.stats.inactive_split.change(heap, net_blocks);
+            self.stats.inactive_split_bytes.change(heap, net_bytes);
         }
         id
     }
@@ -525,19 +563,21 @@ impl BlockSet {
     /// Returns the range (address, size) of a cached block merged back to make room, if any.
     #[inline]
     pub fn free_now(&mut self, id: u32) -> Option<(u64, u64)> {
-        self.free_requested(id);
-        if self.block(id).size > self.quick.max {
-            self.release(id);
+        let (pool, size, requested, split, heap) = {
+            let b = &self.blocks[id as usize];
+            debug_assert_eq!(b.state, State::Allocated);
+            (b.pool, b.size, b.requested, b.is_split(), b.heap)
+        };
+        self.stats.block_freed(pool, size);
+        self.stats.block_released(pool, size, requested);
+        if size > self.quick.max {
+            self.blocks[id as usize].state = State::Pending;
+            self.settle(id);
             return None;
         }
-        self.stop_being_active(id);
-        let (size, split, seg_pool) = {
-            let b = self.block(id);
-            (b.size, b.is_split(), self.segments[b.seg as usize].pool)
-        };
         if self.track_split && split {
-            self.stats.inactive_split.inc(seg_pool, 1);
-            self.stats.inactive_split_bytes.inc(seg_pool, size);
+            self.stats.inactive_split.inc(heap, 1);
+            self.stats.inactive_split_bytes.inc(heap, size);
         }
         let c = super::free_index::class_index(size);
         let head = self.quick.heads[c];
@@ -592,7 +632,7 @@ impl BlockSet {
                 return None;
             }
             let b = self.block(id);
-            if b.size == size && self.segments[b.seg as usize].pool == heap {
+            if b.size == size && b.heap == heap {
                 return Some(id);
             }
             id = b.qnext;
@@ -615,7 +655,7 @@ impl BlockSet {
         }
         let (split, seg_pool) = {
             let b = self.block(id);
-            (b.is_split(), self.segments[b.seg as usize].pool)
+            (b.is_split(), b.heap)
         };
         if self.track_split && split {
             self.stats.inactive_split.dec(seg_pool, 1);
@@ -693,6 +733,7 @@ impl BlockSet {
             next: b.next,
             seg: b.seg,
             pool: b.pool,
+            heap: b.heap,
             state: b.state,
             qprev: NIL,
             qnext: NIL,
@@ -813,9 +854,9 @@ impl BlockSet {
                     State::Unmapped => self.unmapped[s.pool.index()].get(&b.addr) == Some(&id),
                     State::Cached => {
                         cached_seen += 1;
-                        self.quick.order.contains(&id) && self.live.get(&b.addr) == Some(&id)
+                        self.quick.order.contains(&id) && self.live.get(b.addr) == Some(id)
                     }
-                    _ => self.live.get(&b.addr) == Some(&id),
+                    _ => self.live.get(b.addr) == Some(id),
                 };
                 if !indexed {
                     return Err(format!(
