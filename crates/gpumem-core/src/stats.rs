@@ -178,9 +178,8 @@ pub struct MemoryStats {
     pub num_device_free: i64,
 }
 
-/// What a block's life changes in the block statistics, written once for both of their forms
-/// ([`MemoryStats`] with [`StatArray`]s, [`BlockStats`] with [`Tally`]s): the fields have the
-/// same names and both kinds of statistic have `inc` and `dec`.
+/// What a block's life changes in the block statistics of [`MemoryStats`] (the same as
+/// [`BlockStats`]' methods of these names, on the full form).
 macro_rules! block_events {
     () => {
         /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
@@ -410,23 +409,87 @@ impl Tally {
     }
 }
 
+/// What `active` (or `active_bytes`) holds beyond `allocation` (`allocated_bytes`): the blocks
+/// freed by the user and waiting for other streams' events. Both statistics rise together when
+/// a block is handed out, so `active` is kept as `allocation` plus this part, and its marks
+/// need a look only while something is pending (see [`BlockStats`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pending {
+    /// Pending blocks (or bytes) per pool.
+    current: [i64; 2],
+    /// The marks of `active` per pool, as far as `allocation`'s marks do not hold them: set
+    /// where a block is handed out while something is pending, and by a peak reset.
+    peak: [i64; 2],
+    /// The same for both pools together.
+    all_peak: i64,
+}
+
+impl Pending {
+    /// Whether any block is pending.
+    #[inline(always)]
+    fn any(&self) -> bool {
+        (self.current[0] | self.current[1]) != 0
+    }
+
+    /// `active` (`base` plus this) rose in `pool`: its marks follow.
+    #[inline]
+    fn mark(&mut self, base: &Tally, pool: Pool) {
+        let p = pool.index();
+        let v = base.pools[p].current + self.current[p];
+        if v > self.peak[p] {
+            self.peak[p] = v;
+        }
+        let all = base.pools[0].current + base.pools[1].current + self.current[0] + self.current[1];
+        if all > self.all_peak {
+            self.all_peak = all;
+        }
+    }
+
+    /// Marks at the current value of `active`.
+    fn reset_peaks(&mut self, base: &Tally) {
+        for p in 0..2 {
+            self.peak[p] = base.pools[p].current + self.current[p];
+        }
+        self.all_peak = self.peak[0] + self.peak[1];
+    }
+
+    /// `active` in full, from its base.
+    ///
+    /// Its value is the base's plus the pending part, and its sum of increases the base's
+    /// (both rise only when a block is handed out, by the same amount). Its mark is the
+    /// higher of the base's and this part's: a mark of `active` reached with nothing pending
+    /// is the base's value at that moment, which the base's mark holds; one reached with
+    /// something pending, or set by a reset, is in `peak`. Neither exceeds `active`'s true mark,
+    /// since the base never exceeds `active`.
+    fn on(&self, base: &Tally) -> Tally {
+        let mut t = *base;
+        for p in 0..2 {
+            t.pools[p].current += self.current[p];
+            t.pools[p].peak = t.pools[p].peak.max(self.peak[p]);
+        }
+        t.all_peak = t.all_peak.max(self.all_peak);
+        t
+    }
+}
+
 /// The block statistics of [`MemoryStats`] (allocation, active, inactive_split, their bytes,
 /// requested_bytes) in the form a policy updates on every allocation and free: [`Tally`]s
-/// instead of [`StatArray`]s. A block handed out and freed at once costs 15 field writes
-/// instead of 40, marks aside. Read through [`BlockStats::to_memory_stats`], which gives exactly what
-/// [`MemoryStats`]' own methods would have counted.
+/// instead of [`StatArray`]s, and `active` (`active_bytes`) as `allocation`
+/// (`allocated_bytes`) plus the [`Pending`] part. A block handed out and freed at once costs
+/// 9 field writes instead of 40, marks aside. Read through [`BlockStats::to_memory_stats`],
+/// which gives exactly what [`MemoryStats`]' own methods would have counted.
 #[derive(Debug, Clone, Default)]
 pub struct BlockStats {
     /// Live blocks.
     pub allocation: Tally,
-    /// Live blocks plus blocks waiting for events.
-    pub active: Tally,
+    /// Blocks waiting for events (`active` is `allocation` plus these).
+    pub active: Pending,
     /// Free blocks inside split segments.
     pub inactive_split: Tally,
     /// Bytes of live blocks.
     pub allocated_bytes: Tally,
-    /// Bytes of active blocks.
-    pub active_bytes: Tally,
+    /// Bytes of blocks waiting for events (`active_bytes` is `allocated_bytes` plus these).
+    pub active_bytes: Pending,
     /// Bytes of free blocks inside split segments.
     pub inactive_split_bytes: Tally,
     /// Bytes requested by the user for active blocks.
@@ -434,31 +497,68 @@ pub struct BlockStats {
 }
 
 impl BlockStats {
-    block_events!();
+    /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
+    #[inline(always)]
+    pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.allocation.inc(pool, 1);
+        self.allocated_bytes.inc(pool, bytes);
+        self.requested_bytes.inc(pool, requested);
+        // `active` rose with `allocation`; with nothing pending it equals it, marks included.
+        if self.active.any() {
+            self.active.mark(&self.allocation, pool);
+            self.active_bytes.mark(&self.allocated_bytes, pool);
+        }
+    }
+
+    /// The user freed it: no longer allocated, still active until its stream uses are done.
+    #[inline(always)]
+    pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
+        self.allocation.dec(pool, 1);
+        self.allocated_bytes.dec(pool, bytes);
+        self.active.current[pool.index()] += 1;
+        self.active_bytes.current[pool.index()] += bytes as i64;
+    }
+
+    /// It is reusable: no longer active either.
+    #[inline(always)]
+    pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.active.current[pool.index()] -= 1;
+        self.active_bytes.current[pool.index()] -= bytes as i64;
+        self.requested_bytes.dec(pool, requested);
+    }
+
+    /// [`BlockStats::block_freed`] and [`BlockStats::block_released`] at once: nothing is
+    /// pending in between.
+    #[inline(always)]
+    pub fn block_freed_and_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.allocation.dec(pool, 1);
+        self.allocated_bytes.dec(pool, bytes);
+        self.requested_bytes.dec(pool, requested);
+    }
 
     /// Sets every peak to the current value.
     pub fn reset_peaks(&mut self) {
         for t in [
             &mut self.allocation,
-            &mut self.active,
             &mut self.inactive_split,
             &mut self.allocated_bytes,
-            &mut self.active_bytes,
             &mut self.inactive_split_bytes,
             &mut self.requested_bytes,
         ] {
             t.reset_peaks();
         }
+        self.active.reset_peaks(&self.allocation);
+        self.active_bytes.reset_peaks(&self.allocated_bytes);
     }
 
     /// The full form, with the device-level statistics and the counters at zero.
     pub fn to_memory_stats(&self) -> MemoryStats {
         MemoryStats {
             allocation: self.allocation.to_array(),
-            active: self.active.to_array(),
+            active: self.active.on(&self.allocation).to_array(),
             inactive_split: self.inactive_split.to_array(),
             allocated_bytes: self.allocated_bytes.to_array(),
-            active_bytes: self.active_bytes.to_array(),
+            active_bytes: self.active_bytes.on(&self.allocated_bytes).to_array(),
             inactive_split_bytes: self.inactive_split_bytes.to_array(),
             requested_bytes: self.requested_bytes.to_array(),
             ..MemoryStats::default()
@@ -510,6 +610,64 @@ mod tests {
         m.reset_peaks();
         assert_eq!(m.active_bytes.all.peak, 40);
         assert_eq!(m.active_bytes.small_pool.peak, 40);
+    }
+
+    #[test]
+    fn block_stats_read_as_the_full_form() {
+        // Random block lives (handed out, freed, released later or at once) and peak resets,
+        // applied to both forms, read the same throughout.
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut full, mut fast) = (MemoryStats::default(), BlockStats::default());
+        // Blocks as (pool, bytes, requested).
+        let mut live: Vec<(Pool, u64, u64)> = Vec::new();
+        let mut pending: Vec<(Pool, u64, u64)> = Vec::new();
+        for step in 0..20_000 {
+            match next() % 9 {
+                0 => {
+                    full.reset_peaks();
+                    fast.reset_peaks();
+                }
+                1..=3 => {
+                    let pool = if next() % 2 == 0 {
+                        Pool::Small
+                    } else {
+                        Pool::Large
+                    };
+                    let bytes = 512 * (1 + next() % 64);
+                    let requested = bytes - next() % 512;
+                    full.block_handed_out(pool, bytes, requested);
+                    fast.block_handed_out(pool, bytes, requested);
+                    live.push((pool, bytes, requested));
+                }
+                4..=5 if !live.is_empty() => {
+                    let (pool, bytes, requested) = live.swap_remove(next() as usize % live.len());
+                    full.block_freed(pool, bytes);
+                    full.block_released(pool, bytes, requested);
+                    fast.block_freed_and_released(pool, bytes, requested);
+                }
+                6 if !live.is_empty() => {
+                    let b = live.swap_remove(next() as usize % live.len());
+                    full.block_freed(b.0, b.1);
+                    fast.block_freed(b.0, b.1);
+                    pending.push(b);
+                }
+                7..=8 if !pending.is_empty() => {
+                    let (pool, bytes, requested) =
+                        pending.swap_remove(next() as usize % pending.len());
+                    full.block_released(pool, bytes, requested);
+                    fast.block_released(pool, bytes, requested);
+                }
+                _ => {}
+            }
+            assert_eq!(fast.to_memory_stats(), full, "step {step}");
+        }
+        assert!(full.active.all.peak > full.allocation.all.peak);
     }
 
     #[test]

@@ -373,6 +373,7 @@ impl BlockSet {
     /// Hands out `size` bytes from free block `id` (PyTorch's `alloc_found_block`): with
     /// `split`, the remainder stays free as a new block after the allocated one. Returns the
     /// allocated block (same id, same address).
+    #[inline]
     pub fn allocate(&mut self, id: u32, size: u64, requested: u64, pool: Pool, split: bool) -> u32 {
         // The block's fields read once (the hot path: one allocation in two goes through here).
         let (addr, found, prev, next, seg, heap) = {
@@ -485,6 +486,7 @@ impl BlockSet {
     ///
     /// The merges are written out here rather than through [`BlockSet::merge`]: the direction
     /// of each is known, and the block's fields stay in registers until they are stored once.
+    #[inline]
     fn settle(&mut self, id: u32) -> u32 {
         let (state, mut addr, mut size, mut prev, mut next, seg, heap) = {
             let b = &self.blocks[id as usize];
@@ -568,8 +570,7 @@ impl BlockSet {
             debug_assert_eq!(b.state, State::Allocated);
             (b.pool, b.size, b.requested, b.is_split(), b.heap)
         };
-        self.stats.block_freed(pool, size);
-        self.stats.block_released(pool, size, requested);
+        self.stats.block_freed_and_released(pool, size, requested);
         if size > self.quick.max {
             self.blocks[id as usize].state = State::Pending;
             self.settle(id);

@@ -463,9 +463,11 @@ impl Buddy {
         }
         let (order, slot) = (u32::from(l.order), l.slot as usize);
         if from == Held::Allocated {
-            self.stats.block_freed(l.pool, 1 << order);
+            self.stats
+                .block_freed_and_released(l.pool, 1 << order, l.requested);
+        } else {
+            self.stats.block_released(l.pool, 1 << order, l.requested);
         }
-        self.stats.block_released(l.pool, 1 << order, l.requested);
         let i = order.wrapping_sub(MIN_ORDER) as usize;
         if i < PARK_ORDERS && self.parked[i] == NOT_PARKED {
             l.state = Held::Parked;
