@@ -54,6 +54,10 @@ pub struct Block {
     /// Neighbours in the quick cache's list of its size class (while Cached).
     qprev: u32,
     qnext: u32,
+    /// Neighbours in the quick cache's age order (while Cached): a list through the blocks,
+    /// so that taking a block out of the middle needs no search.
+    older: u32,
+    newer: u32,
 }
 
 impl Block {
@@ -102,8 +106,12 @@ pub struct BlockSet {
 struct Quick {
     /// Size class -> most recently cached block of the class.
     heads: Vec<u32>,
-    /// Cached blocks, oldest first.
-    order: std::collections::VecDeque<u32>,
+    /// Oldest cached block (the list goes on through `Block::newer`), or NIL.
+    oldest: u32,
+    /// Newest cached block, or NIL.
+    newest: u32,
+    /// Number of cached blocks.
+    len: usize,
     /// Largest block size cached (0: the cache is off).
     max: u64,
     /// Most blocks cached.
@@ -134,7 +142,9 @@ impl BlockSet {
             track_split,
             quick: Quick {
                 heads: Vec::new(),
-                order: std::collections::VecDeque::new(),
+                oldest: NIL,
+                newest: NIL,
+                len: 0,
                 max: 0,
                 cap: 0,
             },
@@ -153,7 +163,7 @@ impl BlockSet {
     /// Whether the quick cache holds anything.
     #[inline]
     pub fn has_cached(&self) -> bool {
-        !self.quick.order.is_empty()
+        self.quick.len != 0
     }
 
     /// A block by id.
@@ -261,6 +271,8 @@ impl BlockSet {
             state,
             qprev: NIL,
             qnext: NIL,
+            older: NIL,
+            newer: NIL,
         });
         self.segments[seg as usize] = Segment {
             addr,
@@ -318,10 +330,8 @@ impl BlockSet {
     /// Size of the largest free block of either pool.
     pub fn largest_free(&self) -> u64 {
         let cached = self
-            .quick
-            .order
-            .iter()
-            .map(|&id| self.blocks[id as usize].size)
+            .cached_ids()
+            .map(|id| self.blocks[id as usize].size)
             .max()
             .unwrap_or(0);
         self.free
@@ -399,6 +409,8 @@ impl BlockSet {
                 state: State::Free,
                 qprev: NIL,
                 qnext: NIL,
+                older: NIL,
+                newer: NIL,
             });
             if next != NIL {
                 self.b(next).prev = rest;
@@ -593,9 +605,9 @@ impl BlockSet {
             self.b(head).qprev = id;
         }
         self.quick.heads[c] = id;
-        self.quick.order.push_back(id);
-        if self.quick.order.len() > self.quick.cap {
-            let old = self.quick.order.pop_front().expect("non-empty");
+        self.push_newest(id);
+        if self.quick.len > self.quick.cap {
+            let old = self.pop_oldest();
             let range = (self.block(old).addr, self.block(old).size);
             self.uncache(old);
             self.settle(old);
@@ -604,7 +616,61 @@ impl BlockSet {
         None
     }
 
-    /// Takes a block out of the quick cache's class list (not out of `order`).
+    /// Adds `id` to the quick cache's age order, as the newest.
+    #[inline]
+    fn push_newest(&mut self, id: u32) {
+        let newest = self.quick.newest;
+        {
+            let b = self.b(id);
+            b.older = newest;
+            b.newer = NIL;
+        }
+        if newest != NIL {
+            self.b(newest).newer = id;
+        } else {
+            self.quick.oldest = id;
+        }
+        self.quick.newest = id;
+        self.quick.len += 1;
+    }
+
+    /// Takes the oldest block out of the age order (which must not be empty).
+    #[inline]
+    fn pop_oldest(&mut self) -> u32 {
+        let id = self.quick.oldest;
+        debug_assert_ne!(id, NIL);
+        self.unlink_age(id);
+        id
+    }
+
+    /// Takes `id` out of the age order.
+    #[inline]
+    fn unlink_age(&mut self, id: u32) {
+        let (older, newer) = {
+            let b = self.block(id);
+            (b.older, b.newer)
+        };
+        if older != NIL {
+            self.b(older).newer = newer;
+        } else {
+            self.quick.oldest = newer;
+        }
+        if newer != NIL {
+            self.b(newer).older = older;
+        } else {
+            self.quick.newest = older;
+        }
+        self.quick.len -= 1;
+    }
+
+    /// The cached blocks, oldest first.
+    fn cached_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(Some(self.quick.oldest).filter(|&id| id != NIL), |&id| {
+            Some(self.block(id).newer).filter(|&n| n != NIL)
+        })
+    }
+
+    /// Takes a block out of the quick cache's class list (not out of the age order).
     #[inline]
     fn uncache(&mut self, id: u32) {
         let (prev, next, size) = {
@@ -624,7 +690,7 @@ impl BlockSet {
     /// A cached block of exactly `size` bytes in a segment of `heap`'s pool, if there is one.
     #[inline]
     pub fn find_cached(&self, size: u64, heap: Pool) -> Option<u32> {
-        if self.quick.order.is_empty() {
+        if self.quick.len == 0 {
             return None;
         }
         let mut id = self.quick.heads[super::free_index::class_index(size)];
@@ -648,12 +714,7 @@ impl BlockSet {
         debug_assert_eq!(self.block(id).state, State::Cached);
         let size = self.block(id).size;
         self.uncache(id);
-        // Most often the block freed last (an allocation of the size just freed).
-        if self.quick.order.back() == Some(&id) {
-            self.quick.order.pop_back();
-        } else if let Some(i) = self.quick.order.iter().rposition(|&x| x == id) {
-            self.quick.order.remove(i);
-        }
+        self.unlink_age(id);
         let (split, seg_pool) = {
             let b = self.block(id);
             (b.is_split(), b.heap)
@@ -673,8 +734,9 @@ impl BlockSet {
     /// Merges every cached block back into the free blocks; returns their ranges (address,
     /// size) as they were cached.
     pub fn flush_cache(&mut self) -> Vec<(u64, u64)> {
-        let mut out = Vec::with_capacity(self.quick.order.len());
-        while let Some(id) = self.quick.order.pop_front() {
+        let mut out = Vec::with_capacity(self.quick.len);
+        while self.quick.len != 0 {
+            let id = self.pop_oldest();
             out.push((self.block(id).addr, self.block(id).size));
             self.uncache(id);
             self.settle(id);
@@ -738,6 +800,8 @@ impl BlockSet {
             state: b.state,
             qprev: NIL,
             qnext: NIL,
+            older: NIL,
+            newer: NIL,
         });
         if b.next != NIL {
             self.b(b.next).prev = tail;
@@ -855,7 +919,7 @@ impl BlockSet {
                     State::Unmapped => self.unmapped[s.pool.index()].get(&b.addr) == Some(&id),
                     State::Cached => {
                         cached_seen += 1;
-                        self.quick.order.contains(&id) && self.live.get(b.addr) == Some(id)
+                        self.cached_ids().any(|c| c == id) && self.live.get(b.addr) == Some(id)
                     }
                     _ => self.live.get(b.addr) == Some(id),
                 };
@@ -876,10 +940,10 @@ impl BlockSet {
                 ));
             }
         }
-        if cached_seen != self.quick.order.len() {
+        if cached_seen != self.quick.len || self.cached_ids().count() != self.quick.len {
             return Err(format!(
                 "{} blocks in the quick cache, {cached_seen} cached in segments",
-                self.quick.order.len()
+                self.quick.len
             ));
         }
         let indexed: usize = self.free.iter().map(|f| f.len()).sum();
