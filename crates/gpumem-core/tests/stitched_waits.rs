@@ -61,6 +61,18 @@ fn one_page_at_two_addresses(alloc: &Allocator, ctl: &SimControl) -> (Allocation
     (p, s)
 }
 
+/// The next step puts a block where q was and one where s was: s's second virtual page needs
+/// another physical page (the shared one is in use at p's address), so it is unmapped first.
+/// Returns the two blocks.
+fn blocks_where_q_and_s_were(alloc: &Allocator, s: &Allocation) -> (Allocation, Allocation) {
+    let before = unmaps(alloc);
+    let q2 = alloc.allocate(PAGE, 0).unwrap();
+    let s2 = alloc.allocate(2 * PAGE, 0).unwrap();
+    assert_eq!(s2.ptr, s.ptr);
+    assert!(unmaps(alloc) > before, "the test must move a virtual page");
+    (q2, s2)
+}
+
 /// A page taken back at another virtual page than the one it went idle from leaves that one
 /// pointing at a page in use; once the device has passed that point, moving that virtual page
 /// to another physical page makes the host wait for nothing.
@@ -75,13 +87,7 @@ fn a_virtual_page_left_behind_is_moved_without_a_host_wait_once_the_device_has_p
     assert_eq!(ctl.handle_at(back.ptr), ctl.handle_at(s.ptr + PAGE));
     // The program waits for its work (end of a training step).
     device_catches_up(&ctl);
-    let before = unmaps(&alloc);
-    // The next step puts a block where q was and one where s was: s's second virtual page
-    // needs another physical page, so it is unmapped first.
-    let q2 = alloc.allocate(PAGE, 0).unwrap();
-    let s2 = alloc.allocate(2 * PAGE, 0).unwrap();
-    assert_eq!(s2.ptr, s.ptr);
-    assert!(unmaps(&alloc) > before, "the test must move a virtual page");
+    let (q2, s2) = blocks_where_q_and_s_were(&alloc, &s);
     assert_ne!(ctl.handle_at(s2.ptr + PAGE), ctl.handle_at(back.ptr));
     assert_eq!(
         host_waits(&ctl),
@@ -107,11 +113,7 @@ fn a_virtual_page_waits_for_its_own_idle_point_not_its_physical_pages_later_one(
     alloc.free_allocation(&back).unwrap();
     let again = alloc.allocate(PAGE, 0).unwrap();
     assert_eq!(ctl.handle_at(again.ptr), ctl.handle_at(s.ptr + PAGE));
-    let before = unmaps(&alloc);
-    let q2 = alloc.allocate(PAGE, 0).unwrap();
-    let s2 = alloc.allocate(2 * PAGE, 0).unwrap();
-    assert_eq!(s2.ptr, s.ptr);
-    assert!(unmaps(&alloc) > before, "the test must move a virtual page");
+    let (q2, s2) = blocks_where_q_and_s_were(&alloc, &s);
     assert_eq!(
         host_waits(&ctl),
         0,
@@ -132,11 +134,7 @@ fn a_virtual_page_left_behind_is_moved_only_after_the_host_waits_while_work_runs
     assert_eq!(back.ptr, p.ptr);
     // No catching up this time: the work queued before the virtual page went idle may still
     // run when it is needed.
-    let before = unmaps(&alloc);
-    let q2 = alloc.allocate(PAGE, 0).unwrap();
-    let s2 = alloc.allocate(2 * PAGE, 0).unwrap();
-    assert_eq!(s2.ptr, s.ptr);
-    assert!(unmaps(&alloc) > before, "the test must move a virtual page");
+    let (q2, s2) = blocks_where_q_and_s_were(&alloc, &s);
     let ops = ctl.take_ops();
     let waited: Vec<_> = ops
         .iter()
