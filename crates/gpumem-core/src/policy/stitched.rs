@@ -110,11 +110,9 @@ struct Local {
     /// then): what unmapping it waits for. Its physical page's own stamp may be later, when
     /// another virtual page mapped to it went idle since.
     vstamp: Vec<u64>,
-    /// Idle pages owned by this stream, least recently idled first.
+    /// Idle pages owned by this stream, least recently idled first, and what the stream
+    /// knows of every slot (see [`SlotNote`]).
     idle: FreeList,
-    /// Slot -> pool epoch when it went idle (to find the oldest idle page across streams);
-    /// `u64::MAX` if it never did here.
-    stamp: Vec<u64>,
     /// Pages this stream uses now, and their peak.
     busy: u64,
     peak_busy: u64,
@@ -124,11 +122,6 @@ struct Local {
     /// Pages taken from another stream's idle list went idle since the last event recorded
     /// on this stream (the other stream may take them back through its old mapping).
     idle_unmarked: bool,
-    /// Slot -> this stream took the page from another stream (which may still map it).
-    foreign: Vec<bool>,
-    /// Slot -> the virtual page it last went idle from (a shared range's blocks of other
-    /// streams may have used it through another alias than the one it is taken back at).
-    via: Vec<u32>,
     /// Another stream had to wait for all this stream's queued work to take a page from it:
     /// record marks (see `PagePool::mark`).
     marks_wanted: bool,
@@ -147,9 +140,11 @@ impl Local {
     #[inline]
     fn take_idle(&mut self, v: u32, scratch: &mut ClaimScratch) {
         let slot = self.map[v as usize];
-        if slot != NONE && self.idle.remove(slot) {
+        if slot == NONE {
+            scratch.need.push(v);
+        } else if let Some(note) = self.idle.remove(slot) {
             scratch.fast.push(slot);
-            if self.via[slot as usize] != v {
+            if note.via != v {
                 scratch.moved.push((slot, v));
             }
         } else {
@@ -163,22 +158,17 @@ impl Local {
     fn let_go(&mut self, v: u32, epoch: u64) {
         let slot = self.map[v as usize];
         debug_assert!(slot != NONE, "released page was mapped");
-        self.stamp[slot as usize] = epoch;
         self.vstamp[v as usize] = epoch;
-        self.via[slot as usize] = v;
-        self.idle.push_back(slot);
-        self.idle_unmarked |= self.foreign[slot as usize];
+        let note = self.idle.push_back(slot);
+        note.stamp = epoch;
+        note.via = v;
+        self.idle_unmarked |= note.foreign;
     }
 
     /// Makes the per-slot arrays cover slots `0..n` (every slot the pool has made), so that
     /// the fast paths index them without growing them.
     fn fit_slots(&mut self, n: usize) {
-        if self.stamp.len() < n {
-            self.stamp.resize(n, u64::MAX);
-            self.foreign.resize(n, false);
-            self.via.resize(n, NONE);
-            self.idle.fit(n);
-        }
+        self.idle.fit(n);
     }
 
     /// The first event this stream recorded after pool epoch `idle_since` (when a page went
@@ -466,13 +456,10 @@ impl PagePool {
             map: vec![NONE; pages as usize],
             vstamp: vec![0; pages as usize],
             idle: FreeList::default(),
-            stamp: Vec::new(),
             busy: 0,
             peak_busy: 0,
             events: std::collections::VecDeque::new(),
             idle_unmarked: false,
-            foreign: Vec::new(),
-            via: Vec::new(),
             marks_wanted: false,
         };
         local.fit_slots(p.phys.len());
@@ -516,7 +503,7 @@ impl PagePool {
             if !moved.is_empty() {
                 // Taken back through another virtual page than the one it went idle from: the
                 // bytes' last users, of any stream, are not found by the block's address.
-                let since = moved.iter().map(|&(s, _)| l.stamp[s as usize]).max();
+                let since = moved.iter().map(|&(s, _)| l.idle.note(s).stamp).max();
                 let to = Wait::Device(clocks.stream(*acting));
                 let settled = since.map_or(Ok(()), |since| {
                     let mut d = dev.lock();
@@ -542,7 +529,7 @@ impl PagePool {
         if matches!(order, Order::Own)
             && moved
                 .iter()
-                .any(|&(s, _)| l.vstamp[l.via[s as usize] as usize] >= newest)
+                .any(|&(s, _)| l.vstamp[l.idle.note(s).via as usize] >= newest)
         {
             let mut d = dev.lock();
             let epoch = self.next_epoch();
@@ -646,7 +633,7 @@ impl PagePool {
                 let owner = p.phys[slot as usize].as_ref().expect("mapped slot").owner;
                 let shared =
                     may_take(owner as usize) && (owner == me || !own_peaks || p.held >= budget);
-                if shared && all.guards[owner as usize].idle.remove(slot) {
+                if shared && all.guards[owner as usize].idle.remove(slot).is_some() {
                     taken.push((slot, owner));
                     picked.push((v, slot));
                     continue;
@@ -694,7 +681,7 @@ impl PagePool {
                         .filter(|&i| may_take(i))
                         .filter_map(|i| {
                             let l = &all.guards[i];
-                            l.idle.front().map(|s| (l.stamp[s as usize], i, s))
+                            l.idle.front().map(|s| (l.idle.note(s).stamp, i, s))
                         })
                         .min()
                         .expect("an idle page exists");
@@ -709,7 +696,7 @@ impl PagePool {
         // must come first.
         for &(s, prev) in &taken {
             if prev != me {
-                others.push((prev, all.guards[prev as usize].stamp[s as usize]));
+                others.push((prev, all.guards[prev as usize].idle.note(s).stamp));
             }
         }
         let traded = !others.is_empty();
@@ -725,7 +712,7 @@ impl PagePool {
             // the device) for each other stream's work up to when the page went idle.
             let since = taken
                 .iter()
-                .map(|&(s, o)| all.guards[o as usize].stamp[s as usize])
+                .map(|&(s, o)| all.guards[o as usize].idle.note(s).stamp)
                 .filter(|&t| t != u64::MAX)
                 .max();
             if let Some(since) = since {
@@ -778,7 +765,7 @@ impl PagePool {
         }
         for &(s, prev) in &taken {
             if prev != me {
-                all.guards[m].foreign[s as usize] = true;
+                all.guards[m].idle.note_mut(s).foreign = true;
             }
             p.phys[s as usize].as_mut().expect("taken slot").owner = me;
         }
@@ -815,7 +802,7 @@ impl PagePool {
             // The pages each stream took from others are its own from now on: no marks for
             // handing them back (see `mark`), unless trading resumes at the memory cap.
             for l in all.guards.iter_mut() {
-                l.foreign.fill(false);
+                l.idle.forget_foreign();
                 l.marks_wanted = false;
                 l.idle_unmarked = false;
             }
@@ -1203,10 +1190,9 @@ impl PagePool {
             let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
             d.release_page(handle, Pool::Large)?;
             let ph = p.phys[s as usize].take().expect("idle slot");
-            all.guards[ph.owner as usize].idle.remove(s);
-            if let Some(f) = all.guards[ph.owner as usize].foreign.get_mut(s as usize) {
-                *f = false; // the slot number may be reused for a new page
-            }
+            let owner = &mut all.guards[ph.owner as usize].idle;
+            owner.remove(s);
+            owner.note_mut(s).foreign = false; // the slot number may be reused for a new page
             p.spare.push(s);
             p.held -= 1;
             released += self.page;
@@ -1249,15 +1235,42 @@ impl PagePool {
     }
 }
 
-/// Idle physical pages, least recently idled first: a doubly linked list through the slots,
-/// so that taking any page out of it (when its own virtual page touches it again) is O(1).
-/// A slot's links say whether it is in the list, so a membership test and a removal read the
-/// same entry.
+/// What a stream knows of one physical page (slot): its links in the stream's idle list and
+/// what it needs when the page goes idle or is taken back. One entry per slot, so that a page
+/// going idle or being taken back reads and writes one place.
+#[derive(Clone, Copy)]
+struct SlotNote {
+    /// Previous and next slot in the idle list, NONE at the ends; `OUT` as the previous: not
+    /// in the list.
+    prev: u32,
+    next: u32,
+    /// The virtual page it last went idle from (a shared range's blocks of other streams may
+    /// have used it through another alias than the one it is taken back at).
+    via: u32,
+    /// This stream took the page from another stream (which may still map it).
+    foreign: bool,
+    /// Pool epoch when it went idle (to find the oldest idle page across streams);
+    /// `u64::MAX` if it never did here.
+    stamp: u64,
+}
+
+const BLANK_NOTE: SlotNote = SlotNote {
+    prev: OUT,
+    next: NONE,
+    via: NONE,
+    foreign: false,
+    stamp: u64::MAX,
+};
+
+/// Idle physical pages, least recently idled first: a doubly linked list through the slots'
+/// notes, so that taking any page out of it (when its own virtual page touches it again) is
+/// O(1). A slot's links say whether it is in the list, so a membership test and a removal
+/// read the same entry.
 struct FreeList {
     head: u32,
     tail: u32,
-    /// Slot -> (previous, next), NONE at the ends; `OUT` as the previous: not in the list.
-    links: Vec<(u32, u32)>,
+    /// Slot -> its note, for every slot the pool has made (in the list or not).
+    notes: Vec<SlotNote>,
     len: usize,
 }
 
@@ -1269,7 +1282,7 @@ impl Default for FreeList {
         Self {
             head: NONE,
             tail: NONE,
-            links: Vec::new(),
+            notes: Vec::new(),
             len: 0,
         }
     }
@@ -1278,8 +1291,8 @@ impl Default for FreeList {
 impl FreeList {
     /// Makes room for slots `0..n` (see [`Local::fit_slots`]).
     fn fit(&mut self, n: usize) {
-        if self.links.len() < n {
-            self.links.resize(n, (OUT, NONE));
+        if self.notes.len() < n {
+            self.notes.resize(n, BLANK_NOTE);
         }
     }
 
@@ -1287,62 +1300,88 @@ impl FreeList {
         self.len
     }
 
+    /// Slot `slot`'s note.
+    #[inline]
+    fn note(&self, slot: u32) -> &SlotNote {
+        &self.notes[slot as usize]
+    }
+
+    #[inline]
+    fn note_mut(&mut self, slot: u32) -> &mut SlotNote {
+        &mut self.notes[slot as usize]
+    }
+
     #[inline]
     fn contains(&self, slot: u32) -> bool {
-        self.links.get(slot as usize).is_some_and(|l| l.0 != OUT)
+        self.notes.get(slot as usize).is_some_and(|n| n.prev != OUT)
     }
 
     fn front(&self) -> Option<u32> {
         (self.len > 0).then_some(self.head)
     }
 
+    /// Appends `slot`; returns its note.
     #[inline]
-    fn push_back(&mut self, slot: u32) {
+    fn push_back(&mut self, slot: u32) -> &mut SlotNote {
         debug_assert!(!self.contains(slot));
-        self.links[slot as usize] = (self.tail, NONE);
-        if self.tail != NONE {
-            self.links[self.tail as usize].1 = slot;
+        let tail = self.tail;
+        if tail != NONE {
+            self.notes[tail as usize].next = slot;
         } else {
             self.head = slot;
         }
         self.tail = slot;
         self.len += 1;
+        let note = &mut self.notes[slot as usize];
+        note.prev = tail;
+        note.next = NONE;
+        note
     }
 
     fn push_front(&mut self, slot: u32) {
         debug_assert!(!self.contains(slot));
-        self.links[slot as usize] = (NONE, self.head);
-        if self.head != NONE {
-            self.links[self.head as usize].0 = slot;
+        let head = self.head;
+        if head != NONE {
+            self.notes[head as usize].prev = slot;
         } else {
             self.tail = slot;
         }
         self.head = slot;
         self.len += 1;
+        let note = &mut self.notes[slot as usize];
+        note.prev = NONE;
+        note.next = head;
     }
 
-    /// Takes `slot` out of the list; returns whether it was in it.
+    /// Takes `slot` out of the list; returns its note if it was in it.
     #[inline]
-    fn remove(&mut self, slot: u32) -> bool {
-        let Some(&(prev, next)) = self.links.get(slot as usize) else {
-            return false;
-        };
+    fn remove(&mut self, slot: u32) -> Option<&SlotNote> {
+        let &SlotNote { prev, next, .. } = self.notes.get(slot as usize)?;
         if prev == OUT {
-            return false;
+            return None;
         }
         if prev != NONE {
-            self.links[prev as usize].1 = next;
+            self.notes[prev as usize].next = next;
         } else {
             self.head = next;
         }
         if next != NONE {
-            self.links[next as usize].0 = prev;
+            self.notes[next as usize].prev = prev;
         } else {
             self.tail = prev;
         }
-        self.links[slot as usize] = (OUT, NONE);
         self.len -= 1;
-        true
+        let note = &mut self.notes[slot as usize];
+        note.prev = OUT;
+        note.next = NONE;
+        Some(note)
+    }
+
+    /// No slot counts as taken from another stream any more.
+    fn forget_foreign(&mut self) {
+        for n in &mut self.notes {
+            n.foreign = false;
+        }
     }
 
     fn iter(&self) -> impl Iterator<Item = u32> + '_ {
@@ -1350,7 +1389,7 @@ impl FreeList {
         std::iter::from_fn(move || {
             (cur != NONE).then(|| {
                 let s = cur;
-                cur = self.links[s as usize].1;
+                cur = self.notes[s as usize].next;
                 s
             })
         })
@@ -1555,10 +1594,19 @@ impl Stitched {
 
     /// After pages went idle: with several streams, an event on this stream at this point
     /// (see [`PagePool::mark`]).
+    #[inline]
     fn mark_idle(&mut self, dev: &Device) {
-        if !std::mem::take(&mut self.mark_due) {
-            return;
+        if self.mark_due {
+            self.mark_now(dev);
         }
+    }
+
+    /// [`Stitched::mark_idle`] when a mark is due: out of line, so that every free does not
+    /// carry its call.
+    #[cold]
+    #[inline(never)]
+    fn mark_now(&mut self, dev: &Device) {
+        self.mark_due = false;
         if let Some(sp) = self.pages.as_ref() {
             self.pool.mark(sp, dev);
         }
