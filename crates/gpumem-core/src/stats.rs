@@ -569,6 +569,7 @@ impl BlockStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::TestRng;
 
     #[test]
     fn stat_tracks_peak_and_totals() {
@@ -616,50 +617,43 @@ mod tests {
     fn block_stats_read_as_the_full_form() {
         // Random block lives (handed out, freed, released later or at once) and peak resets,
         // applied to both forms, read the same throughout.
-        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = TestRng::new(0x2545_F491_4F6C_DD1D);
         let (mut full, mut fast) = (MemoryStats::default(), BlockStats::default());
         // Blocks as (pool, bytes, requested).
         let mut live: Vec<(Pool, u64, u64)> = Vec::new();
         let mut pending: Vec<(Pool, u64, u64)> = Vec::new();
         for step in 0..20_000 {
-            match next() % 9 {
+            match rng.below(9) {
                 0 => {
                     full.reset_peaks();
                     fast.reset_peaks();
                 }
                 1..=3 => {
-                    let pool = if next() % 2 == 0 {
+                    let pool = if rng.below(2) == 0 {
                         Pool::Small
                     } else {
                         Pool::Large
                     };
-                    let bytes = 512 * (1 + next() % 64);
-                    let requested = bytes - next() % 512;
+                    let bytes = 512 * (1 + rng.below(64));
+                    let requested = bytes - rng.below(512);
                     full.block_handed_out(pool, bytes, requested);
                     fast.block_handed_out(pool, bytes, requested);
                     live.push((pool, bytes, requested));
                 }
                 4..=5 if !live.is_empty() => {
-                    let (pool, bytes, requested) = live.swap_remove(next() as usize % live.len());
+                    let (pool, bytes, requested) = live.swap_remove(rng.index(live.len()));
                     full.block_freed(pool, bytes);
                     full.block_released(pool, bytes, requested);
                     fast.block_freed_and_released(pool, bytes, requested);
                 }
                 6 if !live.is_empty() => {
-                    let b = live.swap_remove(next() as usize % live.len());
+                    let b = live.swap_remove(rng.index(live.len()));
                     full.block_freed(b.0, b.1);
                     fast.block_freed(b.0, b.1);
                     pending.push(b);
                 }
                 7..=8 if !pending.is_empty() => {
-                    let (pool, bytes, requested) =
-                        pending.swap_remove(next() as usize % pending.len());
+                    let (pool, bytes, requested) = pending.swap_remove(rng.index(pending.len()));
                     full.block_released(pool, bytes, requested);
                     fast.block_released(pool, bytes, requested);
                 }
@@ -673,16 +667,10 @@ mod tests {
     #[test]
     fn tally_reads_as_the_full_form() {
         // Random changes applied to both forms, with peak resets, read the same throughout.
-        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = TestRng::new(0x9E37_79B9_7F4A_7C15);
         let (mut full, mut tally) = (StatArray::default(), Tally::default());
         for step in 0..10_000 {
-            let pool = if next() % 3 == 0 {
+            let pool = if rng.below(3) == 0 {
                 Pool::Small
             } else {
                 Pool::Large
@@ -691,8 +679,8 @@ mod tests {
                 Pool::Small => full.small_pool.current,
                 Pool::Large => full.large_pool.current,
             };
-            let n = next() % 1000;
-            match next() % 7 {
+            let n = rng.below(1000);
+            match rng.below(7) {
                 0 => {
                     for s in full.each_mut() {
                         s.peak = s.current;

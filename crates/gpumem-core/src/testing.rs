@@ -266,3 +266,70 @@ impl Backend for FaultySim {
         self.inner.stream_wait_event(s, e)
     }
 }
+
+/// A small deterministic pseudo-random generator for reproducible test inputs: the same seed
+/// draws the same values on every run and machine, so a failing step reruns identically. Not
+/// for anything statistical: it only needs to vary sizes and choices.
+#[derive(Clone, Debug)]
+pub struct TestRng {
+    state: u64,
+    /// `None`: xorshift64 (shifts 13, 7, 17; the state is the value). `Some(m)`: xorshift64*
+    /// (shifts 12, 25, 27; the value is the state times `m`).
+    star: Option<u64>,
+}
+
+impl TestRng {
+    /// Xorshift64 from `seed`, which must not be 0 (the state would stay 0 for ever).
+    pub fn new(seed: u64) -> Self {
+        assert_ne!(seed, 0, "a xorshift state of 0 never changes");
+        Self {
+            state: seed,
+            star: None,
+        }
+    }
+
+    /// Xorshift64* from `seed` (not 0), its values multiplied by `mul`: the variant some tests
+    /// were written with, kept so that they draw the values their expectations were measured on.
+    pub fn xorshift64_star(seed: u64, mul: u64) -> Self {
+        assert_ne!(seed, 0, "a xorshift state of 0 never changes");
+        Self {
+            state: seed,
+            star: Some(mul),
+        }
+    }
+
+    /// The next value.
+    pub fn next_u64(&mut self) -> u64 {
+        let x = &mut self.state;
+        match self.star {
+            None => {
+                *x ^= *x << 13;
+                *x ^= *x >> 7;
+                *x ^= *x << 17;
+                *x
+            }
+            Some(mul) => {
+                *x ^= *x >> 12;
+                *x ^= *x << 25;
+                *x ^= *x >> 27;
+                x.wrapping_mul(mul)
+            }
+        }
+    }
+
+    /// A value in `0..n` (the next value modulo `n`: slightly uneven, which tests do not mind).
+    /// Panics if `n` is 0.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// An index into `len` items, as [`TestRng::below`]. Panics if `len` is 0.
+    pub fn index(&mut self, len: usize) -> usize {
+        self.below(len as u64) as usize
+    }
+
+    /// A value in `[0, 1)`, from the next value's top 53 bits.
+    pub fn unit_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}

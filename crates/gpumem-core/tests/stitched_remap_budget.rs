@@ -4,6 +4,7 @@
 //! clock is driven by the tests, so the result does not depend on the machine.
 
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig};
+use gpumem_core::testing::TestRng;
 use gpumem_core::{Allocation, Allocator, Config};
 
 const MIB: u64 = 1 << 20;
@@ -32,14 +33,8 @@ fn churn(conf: &str, us_per_op: u64, ops: usize, keep_every: Option<usize>) -> C
         ..SimConfig::default()
     });
     let alloc = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        // xorshift64*: enough to vary sizes and choices reproducibly.
-        seed ^= seed >> 12;
-        seed ^= seed << 25;
-        seed ^= seed >> 27;
-        seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-    };
+    // The variant these expectations were measured with.
+    let mut rng = TestRng::xorshift64_star(0x2545_f491_4f6c_dd1d, 0x9e37_79b9_7f4a_7c15);
     let (lo, hi) = ((512f64).ln(), ((64 * MIB) as f64).ln());
     let (mut live, mut kept): (Vec<Allocation>, Vec<Allocation>) = (Vec::new(), Vec::new());
     let (mut before, mut seconds_before) = (0, 0.0);
@@ -52,11 +47,11 @@ fn churn(conf: &str, us_per_op: u64, ops: usize, keep_every: Option<usize>) -> C
         if keep_every.is_some_and(|n| i % n == 0) {
             kept.push(alloc.allocate(4 * MIB, 0).unwrap());
         } else if live.len() < 200 {
-            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            let u = rng.unit_f64();
             let size = (lo + (hi - lo) * u).exp() as u64;
             live.push(alloc.allocate(size, 0).unwrap());
         } else {
-            let k = (next() % live.len() as u64) as usize;
+            let k = rng.index(live.len());
             let a = live.swap_remove(k);
             alloc.free_allocation(&a).unwrap();
         }

@@ -163,24 +163,19 @@ impl LiveMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::TestRng;
     use std::collections::HashMap;
 
     #[test]
     fn agrees_with_a_hash_map() {
         // Random inserts and removals of clustered addresses (as blocks of a few segments
         // are), checked against std's map after every step, through several growths.
-        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = TestRng::new(0x2545_F491_4F6C_DD1D);
         let mut m = LiveMap::new();
         let mut r: HashMap<u64, u32> = HashMap::new();
         for step in 0..200_000u32 {
-            let addr = 0x7f00_0000_0000 + (next() % 5000) * 512 + (next() % 3) * (1 << 40);
-            match next() % 5 {
+            let addr = 0x7f00_0000_0000 + rng.below(5000) * 512 + rng.below(3) * (1 << 40);
+            match rng.below(5) {
                 0..=2 => {
                     m.insert(addr, step);
                     r.insert(addr, step);
@@ -188,7 +183,7 @@ mod tests {
                 _ => assert_eq!(m.remove(addr), r.remove(&addr), "step {step}"),
             }
             assert_eq!(m.len(), r.len());
-            let probe = 0x7f00_0000_0000 + (next() % 5000) * 512;
+            let probe = 0x7f00_0000_0000 + rng.below(5000) * 512;
             assert_eq!(m.get(probe), r.get(&probe).copied(), "step {step}");
         }
         let mut keys: Vec<u64> = m.keys().collect();
