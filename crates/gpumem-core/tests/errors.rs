@@ -2,7 +2,7 @@
 //! foreign pointers, double frees, and malformed, truncated or foreign trace files.
 
 use gpumem_core::backend::sim::{SimBackend, SimConfig};
-use gpumem_core::testing::bundled_trace;
+use gpumem_core::testing::{bundled_trace, TestRng};
 use gpumem_core::trace::{self, Kind};
 use gpumem_core::{AllocError, Allocator, Config, PolicyKind, TraceError};
 use std::io::{Read, Write};
@@ -160,13 +160,12 @@ fn truncated_snapshots_are_errors_not_panics() {
 fn corrupted_snapshots_are_errors_not_panics() {
     let raw = bundled_pickle();
     // Flip bytes here and there: every outcome must be an error or a trace, never a panic.
-    let mut x = 0x1234_5678_u64;
+    let mut rng = TestRng::new(0x1234_5678);
     for _ in 0..300 {
         let mut bad = raw.clone();
         for _ in 0..4 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            // Low bits pick the byte, high bits the flip.
+            let x = rng.next_u64();
             let i = (x as usize) % bad.len();
             bad[i] ^= (x >> 32) as u8 | 1;
         }

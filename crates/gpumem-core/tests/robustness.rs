@@ -7,7 +7,7 @@
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::DriverCall;
 use gpumem_core::report::leaks::leak_report;
-use gpumem_core::testing::{Faults, FaultySim};
+use gpumem_core::testing::{Faults, FaultySim, TestRng};
 use gpumem_core::{Allocator, Config, PolicyKind};
 
 const MIB: u64 = 1 << 20;
@@ -277,19 +277,6 @@ fn every_policy_returns_everything_after_free_and_empty_cache() {
 // 4. Random sequences: statistics against their own identities and the snapshot.
 // ---------------------------------------------------------------------------------------------
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 fn stat_identities(st: &gpumem_core::MemoryStats) -> Result<(), String> {
     let arrays = [
         ("allocation", &st.allocation),
@@ -403,7 +390,7 @@ fn random_sequences_keep_stats_consistent() {
                 Config::parse(&format!("policy:{}{extra}", p.name())).unwrap(),
             )
             .unwrap();
-            let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut r = TestRng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let mut live: Vec<gpumem_core::Allocation> = Vec::new();
             let mut log = Vec::new();
             for step in 0..3000 {

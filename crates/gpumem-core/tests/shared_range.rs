@@ -20,6 +20,7 @@ mod common;
 use common::{audited_sim, replay_trace, Audited};
 use gpumem_core::backend::sim::{EventOp, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::{EventHandle, PhysHandle, Stream};
+use gpumem_core::testing::TestRng;
 use gpumem_core::trace;
 use gpumem_core::{Allocation, Allocator, Config};
 use std::collections::HashMap;
@@ -640,13 +641,8 @@ fn threads_free_each_others_blocks(conf: &str) {
             let (alloc, live, handed) = (&alloc, &live, &handed);
             sc.spawn(move || {
                 let stream = 0x7f00_0000_0000 + (t + 1) * 0x1000;
-                let mut x = 0x9E37_79B9_7F4A_7C15u64.wrapping_mul(t + 1);
-                let mut next = || {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x
-                };
+                let mut rng = TestRng::new(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(t + 1));
+                let mut next = || rng.next_u64();
                 let mut mine: Vec<Allocation> = Vec::new();
                 for _ in 0..20_000 {
                     let r = next();

@@ -17,6 +17,7 @@ mod common;
 use common::{audited_sim, replay_trace, Audited};
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::{EventHandle, PhysHandle, Stream};
+use gpumem_core::testing::TestRng;
 use gpumem_core::trace;
 use gpumem_core::{Allocation, Allocator, Config};
 use std::collections::HashMap;
@@ -282,14 +283,10 @@ fn four_streams_churning(conf: &str, us_per_round: u64) -> (u64, Allocator) {
     });
     let conf = format!("{conf},range:stream");
     let alloc = Allocator::new(Box::new(sim), Config::parse(&conf).unwrap()).unwrap();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        // xorshift64*: enough to vary sizes and choices reproducibly.
-        seed ^= seed >> 12;
-        seed ^= seed << 25;
-        seed ^= seed >> 27;
-        seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    };
+    // xorshift64*, the variant this test was written with: enough to vary sizes and choices
+    // reproducibly.
+    let mut rng = TestRng::xorshift64_star(0x9e37_79b9_7f4a_7c15, 0x2545_f491_4f6c_dd1d);
+    let mut next = move || rng.next_u64();
     let mut live: Vec<Vec<Allocation>> = vec![Vec::new(); 4];
     let mut now = 0u64;
     let mut churn = |rounds: usize| {

@@ -1000,6 +1000,7 @@ mod tests {
     use super::*;
     use crate::backend::sim::{SimBackend, SimConfig};
     use crate::backend::CostModel;
+    use crate::testing::TestRng;
     use std::collections::{BTreeSet, HashMap};
 
     /// A simulated device whose calls cost nothing.
@@ -1105,11 +1106,9 @@ mod tests {
             let mut b = Buddy::new(0);
             let mut live: Vec<u64> = Vec::new();
             let mut offsets = Vec::new();
-            let mut x: u64 = 12345;
+            let mut rng = TestRng::new(12345);
             for _ in 0..4000 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.next_u64();
                 if live.len() < 40 && (x % 3 != 0 || live.is_empty()) {
                     let size = 512 + x % (12 << 20);
                     let p = b.allocate(size, &d).unwrap();
@@ -1335,11 +1334,10 @@ mod tests {
             // Live ones carry their handle too.
             let mut live: Vec<(u64, (u64, u64), u32)> = Vec::new();
             let mut waiting: Vec<(u64, (u64, u64))> = Vec::new();
-            let mut x = seed;
+            let mut rng = TestRng::new(seed);
             for step in 0..20_000 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                // One draw a step: its bit fields pick the operation, size, block and probe.
+                let x = rng.next_u64();
                 let r = x % 1000;
                 if (r < 540 && live.len() < 300) || (live.is_empty() && waiting.is_empty()) {
                     let size = match (x >> 12) % 100 {

@@ -360,6 +360,7 @@ impl FreeIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::TestRng;
 
     #[test]
     fn classes_are_monotonic_and_fine() {
@@ -463,12 +464,11 @@ mod tests {
         // Every answer of the binned index fits, and it answers None only when nothing fits.
         let mut b = FreeIndex::binned();
         let mut o = FreeIndex::ordered();
-        let mut x = 12345u64;
+        let mut rng = TestRng::new(12345);
         let mut live = Vec::new();
         for id in 0..5000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            // One draw a step, its bits read several ways below.
+            let x = rng.next_u64();
             let size = 512 * (1 + x % 40_000);
             let addr = (id as u64) << 32;
             if x % 3 == 0 && !live.is_empty() {
