@@ -178,39 +178,34 @@ pub struct MemoryStats {
     pub num_device_free: i64,
 }
 
-/// What a block's life changes in the block statistics of [`MemoryStats`] (the same as
-/// [`BlockStats`]' methods of these names, on the full form).
-macro_rules! block_events {
-    () => {
-        /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
-        #[inline]
-        pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
-            self.allocation.inc(pool, 1);
-            self.allocated_bytes.inc(pool, bytes);
-            self.active.inc(pool, 1);
-            self.active_bytes.inc(pool, bytes);
-            self.requested_bytes.inc(pool, requested);
-        }
-
-        /// The user freed it: no longer allocated, still active until its stream uses are done.
-        #[inline]
-        pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
-            self.allocation.dec(pool, 1);
-            self.allocated_bytes.dec(pool, bytes);
-        }
-
-        /// It is reusable: no longer active either.
-        #[inline]
-        pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
-            self.active.dec(pool, 1);
-            self.active_bytes.dec(pool, bytes);
-            self.requested_bytes.dec(pool, requested);
-        }
-    };
-}
-
 impl MemoryStats {
-    block_events!();
+    // What a block's life changes in the block statistics: the same as `BlockStats`' methods
+    // of these names, on the full form.
+
+    /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
+    #[inline]
+    pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.allocation.inc(pool, 1);
+        self.allocated_bytes.inc(pool, bytes);
+        self.active.inc(pool, 1);
+        self.active_bytes.inc(pool, bytes);
+        self.requested_bytes.inc(pool, requested);
+    }
+
+    /// The user freed it: no longer allocated, still active until its stream uses are done.
+    #[inline]
+    pub fn block_freed(&mut self, pool: Pool, bytes: u64) {
+        self.allocation.dec(pool, 1);
+        self.allocated_bytes.dec(pool, bytes);
+    }
+
+    /// It is reusable: no longer active either.
+    #[inline]
+    pub fn block_released(&mut self, pool: Pool, bytes: u64, requested: u64) {
+        self.active.dec(pool, 1);
+        self.active_bytes.dec(pool, bytes);
+        self.requested_bytes.dec(pool, requested);
+    }
 
     /// Adds the block statistics of `other` (another stream's shard) into `self`. Current
     /// values, totals and counters add exactly; peaks add too, which makes the combined peak

@@ -715,13 +715,13 @@ impl BlockSet {
         let size = self.block(id).size;
         self.uncache(id);
         self.unlink_age(id);
-        let (split, seg_pool) = {
+        let (split, heap) = {
             let b = self.block(id);
             (b.is_split(), b.heap)
         };
         if self.track_split && split {
-            self.stats.inactive_split.dec(seg_pool, 1);
-            self.stats.inactive_split_bytes.dec(seg_pool, size);
+            self.stats.inactive_split.dec(heap, 1);
+            self.stats.inactive_split_bytes.dec(heap, size);
         }
         let b = self.b(id);
         b.state = State::Allocated;

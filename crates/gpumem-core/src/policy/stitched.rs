@@ -139,10 +139,9 @@ impl Local {
     /// the slow path (`scratch.need`). See [`PagePool::claim`].
     #[inline]
     fn take_idle(&mut self, v: u32, scratch: &mut ClaimScratch) {
+        // An unmapped page (NONE) is in no list: `remove` finds no note for it.
         let slot = self.map[v as usize];
-        if slot == NONE {
-            scratch.need.push(v);
-        } else if let Some(note) = self.idle.remove(slot) {
+        if let Some(note) = self.idle.remove(slot) {
             scratch.fast.push(slot);
             if note.via != v {
                 scratch.moved.push((slot, v));
@@ -165,8 +164,8 @@ impl Local {
         self.idle_unmarked |= note.foreign;
     }
 
-    /// Makes the per-slot arrays cover slots `0..n` (every slot the pool has made), so that
-    /// the fast paths index them without growing them.
+    /// Makes the slot notes cover slots `0..n` (every slot the pool has made), so that the
+    /// fast paths index them without growing them.
     fn fit_slots(&mut self, n: usize) {
         self.idle.fit(n);
     }
