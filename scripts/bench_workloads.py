@@ -51,6 +51,9 @@ Results: a table on stdout (last), JSON lines in $OUT/bench_workloads.jsonl (or 
 With GPUMEM_BENCH_STEP_CALLS=1, gpumem's runs also record the driver calls of every step
 (gpumem_step_driver_calls: per step, {call: [count, host seconds]}), to set each step's time
 beside them; reading them after every step costs a little host time, so it is off by default.
+With GPUMEM_BENCH_STEP_SPLIT=1, every run records where each step's time went (step_split:
+host launch time, the thread's CPU time, the wait in synchronize, the GPU's span;
+scripts/step_driver_time.py sets them beside native's).
 With GPUMEM_BENCH_SNAPSHOT_DIR=DIR, each gpumem run also writes its snapshot there (with its
 allocation history if GPUMEM_CONF has history:N).
 """
@@ -304,12 +307,31 @@ def child(args) -> None:
         import gpumem
 
         step_calls = []
+    # GPUMEM_BENCH_STEP_SPLIT=1: where each step's time goes. launch: host time until the
+    # step's last kernel is queued (its allocations included); cpu: the thread's CPU time in
+    # that span (less than launch when the thread was descheduled or waited); wait: the rest,
+    # in torch.cuda.synchronize (the GPU still busy); gpu: the GPU's span from an event at the
+    # step's start to one after its last kernel. A step slower by the same launch and cpu but
+    # a longer wait ran slower on the GPU; by a longer launch and cpu, did more host work; by
+    # a longer launch at the same cpu, ran on a slower or busier host.
+    split = [] if os.environ.get("GPUMEM_BENCH_STEP_SPLIT") == "1" else None
     t = time.perf_counter()
+    if split is not None:
+        cpu0 = time.thread_time()
+        ev0 = torch.cuda.Event(enable_timing=True)
+        ev0.record()
     try:
         for _ in make_workload(torch, args.workload, steps, args.batch):
+            if split is not None:
+                launched, cpu1 = time.perf_counter(), time.thread_time()
+                ev1 = torch.cuda.Event(enable_timing=True)
+                ev1.record()
             torch.cuda.synchronize()
             now = time.perf_counter()
             times.append(now - t)
+            if split is not None:
+                split.append({"launch": launched - t, "cpu": cpu1 - cpu0, "wait": now - launched,
+                              "gpu": ev0.elapsed_time(ev1) / 1000.0})
             if len(times) == spec["warmup"] and is_gpumem(args.allocator):
                 import gpumem
 
@@ -320,6 +342,10 @@ def child(args) -> None:
             free, _ = torch.cuda.mem_get_info()
             used_peak = max(used_peak, total - free)
             t = time.perf_counter()
+            if split is not None:
+                cpu0 = time.thread_time()
+                ev0 = torch.cuda.Event(enable_timing=True)
+                ev0.record()
     except torch.cuda.OutOfMemoryError as e:
         oom = f"OutOfMemoryError: {str(e)[:300]}"
     except RuntimeError as e:
@@ -332,6 +358,7 @@ def child(args) -> None:
     out.update({
         "oom": oom,
         "step_s": times,
+        "step_split": split,
         "median_step_s": statistics.median(warm) if warm else None,
         "torch_reserved_peak": stats.get("reserved_bytes.all.peak"),
         "allocated_peak": stats.get("allocated_bytes.all.peak"),

@@ -17,6 +17,13 @@ native-again). Per allocator it prints, over all its runs' timed steps:
   steps made a host wait (`cuEventSynchronize`), their mean excess less the median excess of
   the same run's steps without driver calls, which takes out the run's own offset.
 
+If the runs also recorded GPUMEM_BENCH_STEP_SPLIT=1, it then prints where the time went, per
+run: the mean over timed steps of wall time, host launch time, the thread's CPU time while
+launching, the wait in synchronize and the GPU's span, in ms, each also as the excess over the
+median of the same step's figure in the native runs. Extra launch with extra CPU is host
+work; extra launch without extra CPU, a slower or busier host; extra wait with the same
+launch, slower GPU work.
+
 Usage: python3 scripts/step_driver_time.py BENCH_WORKLOADS.jsonl [--workload prefetch_mlp]
 No dependency beyond Python 3."""
 import argparse
@@ -111,6 +118,36 @@ def main():
     print(f"(quiet: steps under {QUIET_MS} ms of driver calls; busy: at least {BUSY_MS} ms; "
           "median excess, with the number of steps)")
     print("\n".join(details))
+    print_split(runs, steps)
+
+
+SPLIT_KEYS = ["launch", "cpu", "wait", "gpu"]
+
+
+def print_split(runs, steps):
+    """Where each run's step time went, beside the native runs' median of each step."""
+    natives = [r for name in ("native", "native-again") for r in runs.get(name, [])
+               if r.get("step_split")]
+    if not natives:
+        return
+    base = {k: [1000.0 * statistics.median(r["step_split"][i][k] for r in natives)
+                for i in range(steps)] for k in SPLIT_KEYS}
+    base["wall"] = [1000.0 * statistics.median(r["step_s"][i] for r in natives)
+                    for i in range(steps)]
+    print(f"\nwhere the time went, ms per timed step: mean (mean excess over native's median)")
+    print(f"{'run':<20}" + "".join(f"{k:>18}" for k in ["wall"] + SPLIT_KEYS))
+    for name in sorted(runs):
+        for k, r in enumerate(runs[name]):
+            sp = r.get("step_split")
+            if not sp or len(sp) < steps:
+                continue
+            line = f"{name + ' ' + str(k):<20}"
+            for key in ["wall"] + SPLIT_KEYS:
+                vals = [1000.0 * (r["step_s"][i] if key == "wall" else sp[i][key])
+                        for i in range(WARMUP, steps)]
+                exc = [v - base[key][i] for v, i in zip(vals, range(WARMUP, steps))]
+                line += f"{statistics.mean(vals):>9.2f} ({statistics.mean(exc):+6.2f})"
+            print(line)
 
 
 if __name__ == "__main__":
