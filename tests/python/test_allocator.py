@@ -61,6 +61,24 @@ def test_default_policy_counts_exactly_and_holds_whole_pages():
     a.check()
 
 
+def test_larger_pages_hold_whole_pages_of_that_size():
+    # page:16MiB (kernels stream faster over larger physical allocations): the same three
+    # blocks, 5,551,104 bytes side by side, now hold one whole 16 MiB page.
+    a = sim(conf="page:16MiB", memory=4 * GIB)
+    ptrs = [a.allocate(n) for n in (1000, 5 * MIB, 300 * 1024)]
+    assert a.memory_stats()["reserved_bytes.all.current"] == 16 * MIB == a.held_bytes
+    ptrs.append(a.allocate(20 * MIB))
+    # 25.3 MiB allocated in one range: two pages.
+    assert a.held_bytes == 32 * MIB
+    for p in ptrs:
+        a.free(p)
+    a.check()
+    with pytest.raises(ValueError, match="power of two"):
+        gpumem.Allocator(conf="page:24MiB", device="sim")
+    with pytest.raises(ValueError, match="stitched"):
+        gpumem.Allocator(conf="policy:caching,page:16MiB", device="sim")
+
+
 def test_memory_stats_has_exactly_torchs_keys():
     s = sim().memory_stats()
     assert set(s) == TORCH_STAT_KEYS

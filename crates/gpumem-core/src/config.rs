@@ -9,6 +9,7 @@
 //! | `cap` | bytes | cap on memory held |
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `shared_spare` | 0..1 | stitched, several streams in one range: pages made rather than remapped while the pages held stay within this share of the range's live peak (default 0.015) |
+//! | `page` | bytes, a power of two (`16MiB`) | stitched: the physical page (one handle each), a multiple of the device's granularity (2 MiB): kernels stream faster over larger ones, blocks hold whole pages |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
 //! | `range` | auto, stream, shared | stitched: one virtual range per stream, or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all); auto (default): the first stream's range alone until a second stream allocates, then that range shared by all |
@@ -72,6 +73,8 @@ pub struct Config {
     pub prealloc: Option<Amount>,
     /// Cap on memory held.
     pub cap: Option<Amount>,
+    /// Physical page of the paged policies (None: the device's granularity).
+    pub page: Option<u64>,
     /// Policy knobs.
     pub options: PolicyOptions,
     /// Ring-buffer size of the allocation history (0: off).
@@ -90,6 +93,7 @@ impl Default for Config {
             policy: PolicyKind::Stitched,
             prealloc: None,
             cap: None,
+            page: None,
             options: PolicyOptions::default(),
             history: 0,
             leak_check: false,
@@ -184,6 +188,15 @@ impl Config {
                     }
                     a => c.cap = Some(a),
                 },
+                "page" => {
+                    c.page = Some(parse_size(v).filter(|b| b.is_power_of_two()).ok_or_else(
+                        || {
+                            AllocError::Config(format!(
+                                "page:{v}: expected a power of two of bytes (e.g. 16MiB)"
+                            ))
+                        },
+                    )?)
+                }
                 "slack" => c.options.slack = number_in(k, v, 0.0, 10.0)?,
                 "shared_spare" => c.options.shared_spare = number_in(k, v, 0.0, 1.0)?,
                 "va_factor" => {
@@ -236,7 +249,7 @@ impl Config {
                 }
                 _ => {
                     return Err(AllocError::Config(format!(
-                        "unknown key '{k}' (known: policy, prealloc, fraction, cap, slack, \
+                        "unknown key '{k}' (known: policy, prealloc, fraction, cap, page, slack, \
                          shared_spare, va_factor, stream_pages, range, spill, trade_budget, remap_budget, history, leak_check, backtraces, \
                          costs)"
                     )))

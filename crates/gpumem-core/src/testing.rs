@@ -218,9 +218,9 @@ impl Backend for FaultySim {
         self.faults.check(DriverCall::MemFree)?;
         self.inner.mem_free(ptr, bytes)
     }
-    fn address_reserve(&mut self, bytes: u64) -> Result<u64, BackendError> {
+    fn address_reserve(&mut self, bytes: u64, align: u64) -> Result<u64, BackendError> {
         self.faults.check(DriverCall::AddressReserve)?;
-        self.inner.address_reserve(bytes)
+        self.inner.address_reserve(bytes, align)
     }
     fn address_free(&mut self, va: u64, bytes: u64) -> Result<(), BackendError> {
         self.faults.check(DriverCall::AddressFree)?;

@@ -392,13 +392,21 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
+    fn address_reserve(&mut self, bytes: u64, align: u64) -> Result<DevPtr, BackendError> {
         let page = self.vmm_pages(DriverCall::AddressReserve, bytes)?;
+        let align = align.max(page);
+        if !align.is_power_of_two() || align % page != 0 {
+            return Err(BackendError::new(
+                DriverCall::AddressReserve,
+                format!("alignment {align} is not a power of two multiple of the {page}-byte granularity"),
+            ));
+        }
         let _ctx = self.bind()?;
         let mut va: sys::CUdeviceptr = 0;
-        // SAFETY: `va` is a valid place; size and alignment are multiples of the granularity.
+        // SAFETY: `va` is a valid place; size and alignment are multiples of the granularity
+        // (checked above).
         check(DriverCall::AddressReserve, unsafe {
-            sys::cuMemAddressReserve(&mut va, bytes as usize, page as usize, 0, 0)
+            sys::cuMemAddressReserve(&mut va, bytes as usize, align as usize, 0, 0)
         })?;
         self.reservations.insert(va, bytes);
         Ok(va)

@@ -216,7 +216,7 @@ impl GpuReplay {
         let page = b.info().page_bytes;
         let fail = |e: gpumem_core::BackendError| format!("warming up the device: {e}");
         let seg = b.mem_alloc(page).map_err(fail)?;
-        let va = b.address_reserve(4 * page).map_err(fail)?;
+        let va = b.address_reserve(4 * page, 0).map_err(fail)?;
         let h = b.mem_create(page).map_err(fail)?;
         b.mem_map(va, page, h).map_err(fail)?;
         b.set_access(va, page).map_err(fail)?;

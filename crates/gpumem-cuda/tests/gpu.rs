@@ -98,7 +98,7 @@ fn the_backend_refuses_what_it_did_not_hand_out() {
     b.mem_free(p, MIB).expect("cuMemFree");
     assert!(b.mem_free(p, MIB).is_err(), "double free");
     let page = b.info().page_bytes;
-    let va = b.address_reserve(4 * page).expect("reserve");
+    let va = b.address_reserve(4 * page, 0).expect("reserve");
     let h = b.mem_create(page).expect("create");
     b.mem_map(va, page, h).expect("map");
     b.set_access(va, page).expect("access");
@@ -168,12 +168,13 @@ fn every_policy_allocates_and_frees_a_random_mix() {
 #[ignore = "needs a CUDA GPU"]
 fn patterns_survive_their_neighbours() {
     let _gpu = exclusive();
-    // Every policy, and the stitched one with one range shared by both streams, whose blocks
-    // then share pages.
-    let runs = PolicyKind::ALL
-        .into_iter()
-        .map(|p| (p, ""))
-        .chain([(PolicyKind::Stitched, "range:shared")]);
+    // Every policy, the stitched one with one range shared by both streams, whose blocks
+    // then share pages, and the stitched one on 8 MiB physical pages (several of the
+    // device's granules per handle, mapped at 8 MiB-aligned addresses).
+    let runs = PolicyKind::ALL.into_iter().map(|p| (p, "")).chain([
+        (PolicyKind::Stitched, "range:shared"),
+        (PolicyKind::Stitched, "page:8MiB"),
+    ]);
     for (policy, conf) in runs {
         let a = gpu(policy, conf);
         let streams = [

@@ -312,8 +312,9 @@ pub trait Backend: Send {
     fn mem_alloc(&mut self, bytes: u64) -> Result<DevPtr, BackendError>;
     /// Frees a plain segment.
     fn mem_free(&mut self, ptr: DevPtr, bytes: u64) -> Result<(), BackendError>;
-    /// Reserves a virtual address range aligned to the page size.
-    fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError>;
+    /// Reserves a virtual address range of `bytes` aligned to `align`, a power of two that is
+    /// a multiple of the page size (or 0: the page size).
+    fn address_reserve(&mut self, bytes: u64, align: u64) -> Result<DevPtr, BackendError>;
     /// Returns a virtual range (which must be wholly unmapped).
     fn address_free(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError>;
     /// Creates one physical allocation of `bytes` (a multiple of the page size).

@@ -166,6 +166,17 @@ impl SimControl {
         self.mode
     }
 
+    /// Every mapping now, `(address, bytes, handle)` in address order, when the device audits
+    /// mappings (empty otherwise).
+    pub fn mappings(&self) -> Vec<(DevPtr, u64, PhysHandle)> {
+        self.mirror.as_ref().map_or_else(Vec::new, |m| {
+            m.lock()
+                .iter()
+                .map(|(&va, &(len, h))| (va, len, h))
+                .collect()
+        })
+    }
+
     /// The physical allocation mapped at `va`, when the device audits mappings.
     pub fn handle_at(&self, va: DevPtr) -> Option<PhysHandle> {
         let m = self.mirror.as_ref()?.lock();
@@ -340,7 +351,7 @@ impl Backend for SimBackend {
         }
     }
 
-    fn address_reserve(&mut self, bytes: u64) -> Result<DevPtr, BackendError> {
+    fn address_reserve(&mut self, bytes: u64, align: u64) -> Result<DevPtr, BackendError> {
         let p = self.cfg.page_bytes;
         if bytes == 0 || bytes % p != 0 {
             return Err(BackendError::new(
@@ -348,7 +359,14 @@ impl Backend for SimBackend {
                 format!("size {bytes} is not a non-zero multiple of the page"),
             ));
         }
-        let va = self.fresh_va(bytes, p);
+        let align = align.max(p);
+        if !align.is_power_of_two() || align % p != 0 {
+            return Err(BackendError::new(
+                DriverCall::AddressReserve,
+                format!("alignment {align} is not a power of two multiple of the {p}-byte page"),
+            ));
+        }
+        let va = self.fresh_va(bytes, align);
         self.reservations.insert(va, bytes);
         Ok(va)
     }
@@ -574,7 +592,7 @@ mod tests {
     #[test]
     fn mapping_rules_are_enforced() {
         let mut s = sim();
-        let va = s.address_reserve(8 * MIB).unwrap();
+        let va = s.address_reserve(8 * MIB, 0).unwrap();
         let h = s.mem_create(2 * MIB).unwrap();
         s.mem_map(va, 2 * MIB, h).unwrap();
         s.set_access(va, 2 * MIB).unwrap();

@@ -80,7 +80,18 @@ impl Allocator {
     /// An allocator over `backend` configured by `config`; preallocates and sets the cap as
     /// configured.
     pub fn new(backend: Box<dyn Backend>, config: Config) -> Result<Self, AllocError> {
-        let device = Arc::new(Device::new(backend, config.costs.clone()));
+        let mut device = Device::new(backend, config.costs.clone());
+        if let Some(page) = config.page {
+            if config.policy != PolicyKind::Stitched {
+                return Err(AllocError::Config(format!(
+                    "page: sets the stitched policy's physical page; policy:{} does not use it \
+                     (expandable maps PyTorch's 2 and 20 MiB pages, the others plain segments)",
+                    config.policy.name()
+                )));
+            }
+            device.set_page(page)?;
+        }
+        let device = Arc::new(device);
         let info = device.info().clone();
         let factory = PolicyFactory::new(config.policy, &info, &config.options);
         {
