@@ -73,7 +73,7 @@ pub struct Config {
     pub prealloc: Option<Amount>,
     /// Cap on memory held.
     pub cap: Option<Amount>,
-    /// Physical page of the paged policies (None: the device's granularity).
+    /// The stitched policy's physical page (None: the device's granularity).
     pub page: Option<u64>,
     /// Policy knobs.
     pub options: PolicyOptions,
