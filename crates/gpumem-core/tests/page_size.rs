@@ -110,6 +110,9 @@ fn larger_pages_hold_whole_pages_and_more_memory_on_a_recorded_trace() {
         };
         let s = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
         assert_eq!(s.ooms, 0);
+        // The replay says which page it used, when it is not the default.
+        let said = s.notes.iter().any(|n| n.contains("physical pages of 16"));
+        assert_eq!(said, page == 16 * MIB, "page {page}: {:?}", s.notes);
         assert_eq!(
             s.peak_held_bytes % page,
             0,

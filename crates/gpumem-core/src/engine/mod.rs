@@ -155,9 +155,17 @@ impl Allocator {
     }
 
     /// What the policy changed on its own while running, one line each (see
-    /// [`PolicyFactory::notes`]).
+    /// [`PolicyFactory::notes`]), after a line naming the page size when `page:` set one.
     pub fn policy_notes(&self) -> Vec<String> {
-        self.factory.notes()
+        // A page other than the device's granularity is said first: every figure of memory
+        // held is in whole pages of that size (a replay's lower reference counts 2 MiB ones).
+        let page = self.config.page.map(|p| {
+            format!(
+                "stitched: physical pages of {} (page:), each one handle, mapped and held whole",
+                crate::units::format_size(p)
+            )
+        });
+        page.into_iter().chain(self.factory.notes()).collect()
     }
 
     /// The configuration.
