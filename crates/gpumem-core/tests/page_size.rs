@@ -1,8 +1,8 @@
 //! `page:` makes the stitched policy's physical pages larger than the device's granularity
 //! (kernels stream faster over larger handles on an H200; blocks hold whole pages, so they
 //! cost memory). These check that every handle is then mapped whole, at an address aligned
-//! to it, that what is held stays whole pages, and that pages the device cannot make are
-//! refused with a reason.
+//! to it, that what is held stays whole pages, that pages the device cannot make are refused
+//! with a reason, and that the other policies ignore it.
 
 use gpumem_core::backend::sim::{SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::Stream;
@@ -86,15 +86,32 @@ fn pages_the_device_cannot_make_are_refused_with_a_reason() {
             .to_string();
         assert!(e.contains("granularity"), "{conf}: {e}");
     }
-    // Policies that map no pages of their own: refused, not ignored.
+}
+
+#[test]
+fn other_policies_ignore_the_page_as_every_stitched_key() {
+    // One configuration for every policy of a replay or a benchmark: the policies that map no
+    // pages of their own hold exactly what they hold without it, and say nothing of it.
     for policy in ["caching", "native", "buddy", "expandable"] {
-        let (sim, _) = SimBackend::new(SimConfig::default());
-        let conf = format!("policy:{policy},page:16MiB");
-        let e = Allocator::new(Box::new(sim), Config::parse(&conf).unwrap())
-            .err()
-            .unwrap_or_else(|| panic!("{conf} was accepted"))
-            .to_string();
-        assert!(e.contains("stitched"), "{conf}: {e}");
+        let held = |conf: &str| {
+            let (sim, _) = SimBackend::new(SimConfig::default());
+            let a = Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap();
+            for n in [1000, 5 * MIB, 300 << 10, 40 * MIB] {
+                a.allocate(n, 1 as Stream).expect("allocation");
+            }
+            assert!(
+                a.policy_notes().is_empty(),
+                "{conf}: {:?}",
+                a.policy_notes()
+            );
+            a.held_bytes()
+        };
+        let plain = held(&format!("policy:{policy}"));
+        assert_eq!(
+            held(&format!("policy:{policy},page:16MiB")),
+            plain,
+            "{policy}"
+        );
     }
 }
 

@@ -81,14 +81,10 @@ impl Allocator {
     /// configured.
     pub fn new(backend: Box<dyn Backend>, config: Config) -> Result<Self, AllocError> {
         let mut device = Device::new(backend, config.costs.clone());
-        if let Some(page) = config.page {
-            if config.policy != PolicyKind::Stitched {
-                return Err(AllocError::Config(format!(
-                    "page: sets the stitched policy's physical page; policy:{} does not use it \
-                     (expandable maps PyTorch's 2 and 20 MiB pages, the others plain segments)",
-                    config.policy.name()
-                )));
-            }
+        // Like the other stitched keys, `page:` means nothing to the other policies (expandable
+        // maps PyTorch's 2 and 20 MiB pages, the rest plain segments), so that one
+        // configuration can be given to every policy of a replay or a benchmark.
+        if let (Some(page), PolicyKind::Stitched) = (config.page, config.policy) {
             device.set_page(page)?;
         }
         let device = Arc::new(device);
@@ -159,7 +155,8 @@ impl Allocator {
     pub fn policy_notes(&self) -> Vec<String> {
         // A page other than the device's granularity is said first: every figure of memory
         // held is in whole pages of that size (a replay's lower reference counts 2 MiB ones).
-        let page = self.config.page.map(|p| {
+        let stitched = self.config.policy == PolicyKind::Stitched;
+        let page = self.config.page.filter(|_| stitched).map(|p| {
             format!(
                 "stitched: physical pages of {} (page:), each one handle, mapped and held whole",
                 crate::units::format_size(p)
