@@ -21,7 +21,7 @@ Prints GB/s (gather: elements per ns) and TFLOP/s per allocator and each as a ra
 native's, same machine, same run. Allocators (--allocators): native, expandable
 (expandable_segments:True), gpumem (GPUMEM_CONF as set, default policy stitched),
 gpumem-caching (policy:caching: cuMemAlloc segments, no mapping), gpumem-page16 (the default
-policy on 16 MiB physical pages). Needs a CUDA GPU, PyTorch, and gpumem
+policy on 16 MiB physical pages), and any --variant NAME=CONF (e.g. gpumem-page8=page:8MiB). Needs a CUDA GPU, PyTorch, and gpumem
 importable for the gpumem run.
 
     python3 scripts/kernel_pages.py [--gib 4] [--frag-gib 16] [--reps 20] [--json OUT.jsonl]
@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="all allocators once per round, interleaved")
     ap.add_argument("--allocators", default="native,expandable,gpumem",
                     help=f"comma-separated, of {','.join(ALLOCATORS)}")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=CONF",
+                    help="another gpumem configuration to run (NAME starting with 'gpumem-'), "
+                         "e.g. gpumem-page8=page:8MiB; name it in --allocators")
     ap.add_argument("--json", help="append each run's result here")
     ap.add_argument("--allocator", help=argparse.SUPPRESS)  # set in the child process
     args = ap.parse_args()
@@ -111,6 +114,11 @@ def main() -> None:
         child(args)
         return
 
+    for v in args.variant:
+        name, sep, conf = v.partition("=")
+        if not sep or not name.startswith("gpumem-"):
+            ap.error(f"--variant {v!r}: expected NAME=CONF with NAME starting with 'gpumem-'")
+        ALLOCATORS[name] = (None, conf)
     names = args.allocators.split(",")
     unknown = [n for n in names if n not in ALLOCATORS]
     if unknown:
