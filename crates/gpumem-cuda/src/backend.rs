@@ -394,13 +394,7 @@ impl Backend for CudaBackend {
 
     fn address_reserve(&mut self, bytes: u64, align: u64) -> Result<DevPtr, BackendError> {
         let page = self.vmm_pages(DriverCall::AddressReserve, bytes)?;
-        let align = align.max(page);
-        if !align.is_power_of_two() || align % page != 0 {
-            return Err(BackendError::new(
-                DriverCall::AddressReserve,
-                format!("alignment {align} is not a power of two multiple of the {page}-byte granularity"),
-            ));
-        }
+        let align = gpumem_core::backend::reserve_alignment(align, page)?;
         let _ctx = self.bind()?;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: `va` is a valid place; size and alignment are multiples of the granularity

@@ -292,6 +292,22 @@ impl CallCounts {
     }
 }
 
+/// The alignment of a range that [`Backend::address_reserve`] was asked to align to `align`
+/// on a device whose page is `page`: `align` raised to at least the page (0: the page); an
+/// error unless that is a power of two multiple of the page. Shared so that every backend
+/// checks it the same way.
+pub fn reserve_alignment(align: u64, page: u64) -> Result<u64, BackendError> {
+    let align = align.max(page);
+    if align.is_power_of_two() && align % page == 0 {
+        Ok(align)
+    } else {
+        Err(BackendError::new(
+            DriverCall::AddressReserve,
+            format!("alignment {align} is not a power of two multiple of the {page}-byte page"),
+        ))
+    }
+}
+
 /// A device as the engine sees it. Implementations must not call back into the allocator.
 ///
 /// Sizes passed to the virtual-memory calls are multiples of [`DeviceInfo::page_bytes`], and

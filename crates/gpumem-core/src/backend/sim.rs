@@ -359,13 +359,7 @@ impl Backend for SimBackend {
                 format!("size {bytes} is not a non-zero multiple of the page"),
             ));
         }
-        let align = align.max(p);
-        if !align.is_power_of_two() || align % p != 0 {
-            return Err(BackendError::new(
-                DriverCall::AddressReserve,
-                format!("alignment {align} is not a power of two multiple of the {p}-byte page"),
-            ));
-        }
+        let align = super::reserve_alignment(align, p)?;
         let va = self.fresh_va(bytes, align);
         self.reservations.insert(va, bytes);
         Ok(va)
@@ -593,6 +587,16 @@ mod tests {
     fn mapping_rules_are_enforced() {
         let mut s = sim();
         let va = s.address_reserve(8 * MIB, 0).unwrap();
+        // Ranges align to what is asked, if it is a power of two multiple of the page.
+        let wide = s.address_reserve(8 * MIB, 64 * MIB).unwrap();
+        assert_eq!(wide % (64 * MIB), 0);
+        assert!(
+            s.address_reserve(8 * MIB, 6 * MIB).is_err(),
+            "6 MiB alignment"
+        );
+        // Below the page (0 included): the page.
+        let small = s.address_reserve(8 * MIB, MIB).unwrap();
+        assert_eq!(small % (2 * MIB), 0);
         let h = s.mem_create(2 * MIB).unwrap();
         s.mem_map(va, 2 * MIB, h).unwrap();
         s.set_access(va, 2 * MIB).unwrap();
