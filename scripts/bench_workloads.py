@@ -315,17 +315,22 @@ def child(args) -> None:
     # a longer wait ran slower on the GPU; by a longer launch and cpu, did more host work; by
     # a longer launch at the same cpu, ran on a slower or busier host.
     split = [] if os.environ.get("GPUMEM_BENCH_STEP_SPLIT") == "1" else None
+
+    def split_mark():
+        """(the thread's CPU time, an event recorded now): one end of a step's split."""
+        cpu = time.thread_time()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return cpu, ev
+
     t = time.perf_counter()
     if split is not None:
-        cpu0 = time.thread_time()
-        ev0 = torch.cuda.Event(enable_timing=True)
-        ev0.record()
+        cpu0, ev0 = split_mark()
     try:
         for _ in make_workload(torch, args.workload, steps, args.batch):
             if split is not None:
-                launched, cpu1 = time.perf_counter(), time.thread_time()
-                ev1 = torch.cuda.Event(enable_timing=True)
-                ev1.record()
+                launched = time.perf_counter()
+                cpu1, ev1 = split_mark()
             torch.cuda.synchronize()
             now = time.perf_counter()
             times.append(now - t)
@@ -343,9 +348,7 @@ def child(args) -> None:
             used_peak = max(used_peak, total - free)
             t = time.perf_counter()
             if split is not None:
-                cpu0 = time.thread_time()
-                ev0 = torch.cuda.Event(enable_timing=True)
-                ev0.record()
+                cpu0, ev0 = split_mark()
     except torch.cuda.OutOfMemoryError as e:
         oom = f"OutOfMemoryError: {str(e)[:300]}"
     except RuntimeError as e:

@@ -118,23 +118,23 @@ def main():
     print(f"(quiet: steps under {QUIET_MS} ms of driver calls; busy: at least {BUSY_MS} ms; "
           "median excess, with the number of steps)")
     print("\n".join(details))
-    print_split(runs, steps)
+    print_split(runs, steps, base)
 
 
 SPLIT_KEYS = ["launch", "cpu", "wait", "gpu"]
 
 
-def print_split(runs, steps):
-    """Where each run's step time went, beside the native runs' median of each step."""
+def print_split(runs, steps, wall_base):
+    """Where each run's step time went, beside the native runs' median of each step
+    (`wall_base`: the median native step time of each step, from `native_steps`)."""
     natives = [r for name in ("native", "native-again") for r in runs.get(name, [])
                if r.get("step_split")]
     if not natives:
         return
     base = {k: [1000.0 * statistics.median(r["step_split"][i][k] for r in natives)
                 for i in range(steps)] for k in SPLIT_KEYS}
-    base["wall"] = [1000.0 * statistics.median(r["step_s"][i] for r in natives)
-                    for i in range(steps)]
-    print(f"\nwhere the time went, ms per timed step: mean (mean excess over native's median)")
+    base["wall"] = wall_base
+    print("\nwhere the time went, ms per timed step: mean (mean excess over native's median)")
     print(f"{'run':<20}" + "".join(f"{k:>18}" for k in ["wall"] + SPLIT_KEYS))
     for name in sorted(runs):
         for k, r in enumerate(runs[name]):

@@ -46,47 +46,60 @@ class Raw:
 
 
 class Mapping:
-    """`nbytes` of virtual address space backed by handles of `handle` bytes."""
+    """`nbytes` of virtual address space backed by handles of `handle` bytes. A mapping the
+    driver refuses raises RuntimeError with nothing left held."""
 
     def __init__(self, prop, acc, nbytes, handle, shuffle=False, access_each=False, alias=False,
                  slice_=None):
         self.nbytes = nbytes
         self.handles = []
-        for _ in range(nbytes // handle):
-            h = ctypes.c_ulonglong()
-            ck(cu.cuMemCreate(ctypes.byref(h), handle, ctypes.byref(prop), 0), "cuMemCreate")
-            self.handles.append(h.value)
-        self.ranges = [(reserve(nbytes), nbytes)]
-        self.va = self.ranges[0][0]
-        # Mapped in pieces of `slice_` bytes (a handle's pieces at offsets into it, which
-        # the driver documents as "currently must be zero"), or whole handles.
-        piece = slice_ or handle
-        pieces = [(h, off) for h in self.handles for off in range(0, handle, piece)]
-        if shuffle:
-            random.Random(1).shuffle(pieces)
+        self.ranges = []  # reserved virtual ranges
+        self.mapped = []  # (address, bytes) of every mapping made
+        try:
+            for _ in range(nbytes // handle):
+                h = ctypes.c_ulonglong()
+                ck(cu.cuMemCreate(ctypes.byref(h), handle, ctypes.byref(prop), 0), "cuMemCreate")
+                self.handles.append(h.value)
+            # Mapped in pieces of `slice_` bytes (a handle's pieces at offsets into it, which
+            # the driver documents as "currently must be zero"), or whole handles.
+            piece = slice_ or handle
+            pieces = [(h, off) for h in self.handles for off in range(0, handle, piece)]
+            if shuffle:
+                random.Random(1).shuffle(pieces)
+            self.va = self._map(pieces, piece, acc, access_each)
+            if alias:
+                # Every handle mapped a second time, elsewhere, as a page gpumem moved leaves it.
+                self._map(pieces, piece, acc, False)
+        except RuntimeError:
+            self.free()
+            raise
+
+    def _map(self, pieces, piece, acc, access_each):
+        """`pieces` mapped side by side in a fresh range, access set once or per piece;
+        returns the range's address."""
+        va = reserve(self.nbytes)
+        self.ranges.append(va)
         for i, (h, off) in enumerate(pieces):
-            ck(cu.cuMemMap(self.va + i * piece, piece, off, h, 0), f"cuMemMap at offset {off}")
+            at = va + i * piece
+            ck(cu.cuMemMap(at, piece, off, h, 0), f"cuMemMap at offset {off}")
+            self.mapped.append((at, piece))
             if access_each:
-                ck(cu.cuMemSetAccess(self.va + i * piece, piece, ctypes.byref(acc), 1), "access")
+                ck(cu.cuMemSetAccess(at, piece, ctypes.byref(acc), 1), "cuMemSetAccess")
         if not access_each:
-            ck(cu.cuMemSetAccess(self.va, nbytes, ctypes.byref(acc), 1), "cuMemSetAccess")
-        if alias:
-            # Every handle mapped a second time, elsewhere, as a page gpumem moved leaves it.
-            va2 = reserve(nbytes)
-            self.ranges.append((va2, nbytes))
-            for i, (h, off) in enumerate(pieces):
-                ck(cu.cuMemMap(va2 + i * piece, piece, off, h, 0), "cuMemMap")
-            ck(cu.cuMemSetAccess(va2, nbytes, ctypes.byref(acc), 1), "cuMemSetAccess")
+            ck(cu.cuMemSetAccess(va, self.nbytes, ctypes.byref(acc), 1), "cuMemSetAccess")
+        return va
 
     def tensor(self, torch):
         return torch.as_tensor(Raw(self.va, self.nbytes), device="cuda")
 
     def free(self):
-        for va, n in self.ranges:
-            ck(cu.cuMemUnmap(va, n), "cuMemUnmap")
-            ck(cu.cuMemAddressFree(va, n), "cuMemAddressFree")
+        for at, n in self.mapped:
+            ck(cu.cuMemUnmap(at, n), "cuMemUnmap")
+        for va in self.ranges:
+            ck(cu.cuMemAddressFree(va, self.nbytes), "cuMemAddressFree")
         for h in self.handles:
             ck(cu.cuMemRelease(h), "cuMemRelease")
+        self.mapped, self.ranges, self.handles = [], [], []
 
 
 def main() -> None:
@@ -136,11 +149,16 @@ def main() -> None:
     del a, b
     torch.cuda.empty_cache()
     for name, kw in variants.items():
+        made = []
         try:
-            ma, mb = Mapping(prop, acc, nbytes, **kw), Mapping(prop, acc, nbytes, **kw)
+            for _ in range(2):
+                made.append(Mapping(prop, acc, nbytes, **kw))
         except RuntimeError as e:
+            for m in made:
+                m.free()
             print(f"{name}: not measured, the driver refused: {e}", flush=True)
             continue
+        ma, mb = made
         a, b = ma.tensor(torch), mb.tensor(torch)
         a.uniform_()
         results[name] = copy_gbps(a, b)
