@@ -54,6 +54,16 @@ beside them; reading them after every step costs a little host time, so it is of
 With GPUMEM_BENCH_STEP_SPLIT=1, every run records where each step's time went (step_split:
 host launch time, the thread's CPU time, the wait in synchronize, the GPU's span;
 scripts/step_driver_time.py sets them beside native's).
+With GPUMEM_BENCH_KERNEL_TIME=1, every run records the GPU time of its timed steps' kernels,
+copies and memsets (torch.profiler, CUDA activity only, started after the warm-up steps): the
+total per step and the largest entries by name (kernel_time); scripts/kernel_time.py sets them
+beside native's. That asks whether the same kernels run slower on one allocator's memory,
+without the drift of step time; the profiler adds host time, so such runs' step times are not
+comparable with unprofiled ones.
+With GPUMEM_BENCH_HOOK_TIME=1, gpumem's runs time every call PyTorch makes into gpumem
+(gpumem.torch.time_hooks(): allocations, frees and record_stream, driver calls included) and
+record, per step, the calls and host seconds inside them (gpumem_step_hooks) and their mean
+over the timed steps (gpumem_hook_s_per_step): all the host time gpumem itself adds to a step.
 With GPUMEM_BENCH_SNAPSHOT_DIR=DIR, each gpumem run also writes its snapshot there (with its
 allocation history if GPUMEM_CONF has history:N).
 """
@@ -277,6 +287,27 @@ class DriverPool:
         return int(value.value)
 
 
+def kernel_totals(torch, prof, steps, top=40):
+    """GPU time of what `prof` saw run on the device (kernels, copies, memsets), per step:
+    {"steps", "us_per_step", "events_per_step", "by_name": [[name, count, total µs], ...]}
+    with the `top` largest names by total time."""
+    by_name = {}
+    total = 0.0
+    n = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        total += us
+        n += 1
+        c = by_name.setdefault(e.name, [0, 0.0])
+        c[0] += 1
+        c[1] += us
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"steps": steps, "us_per_step": total / steps, "events_per_step": n / steps,
+            "by_name": [[name, c, round(us, 1)] for name, (c, us) in ranked]}
+
+
 def child(args) -> None:
     import torch
 
@@ -284,6 +315,8 @@ def child(args) -> None:
         import gpumem
 
         gpumem.torch.install()  # GPUMEM_CONF, set by the parent for variants
+        if os.environ.get("GPUMEM_BENCH_HOOK_TIME") == "1":
+            gpumem.torch.time_hooks(True)
     torch.cuda.init()
     total = torch.cuda.get_device_properties(0).total_memory
     if args.cap_bytes:
@@ -315,6 +348,16 @@ def child(args) -> None:
     # a longer wait ran slower on the GPU; by a longer launch and cpu, did more host work; by
     # a longer launch at the same cpu, ran on a slower or busier host.
     split = [] if os.environ.get("GPUMEM_BENCH_STEP_SPLIT") == "1" else None
+    # GPUMEM_BENCH_HOOK_TIME=1: gpumem's hook totals after every step (see the docstring).
+    step_hooks = None
+    if is_gpumem(args.allocator) and os.environ.get("GPUMEM_BENCH_HOOK_TIME") == "1":
+        import gpumem
+
+        step_hooks = [gpumem.torch.hook_time()]
+
+    # GPUMEM_BENCH_KERNEL_TIME=1: the profiler, started once the warm-up steps are done.
+    kernel_prof = None
+    want_kernels = os.environ.get("GPUMEM_BENCH_KERNEL_TIME") == "1"
 
     def split_mark():
         """(the thread's CPU time, an event recorded now): one end of a step's split."""
@@ -341,9 +384,14 @@ def child(args) -> None:
                 import gpumem
 
                 calls_after_warmup = gpumem.torch.driver_calls()
+            if len(times) == spec["warmup"] and want_kernels:
+                kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                kernel_prof.start()
             if step_calls is not None:
                 # Outside the timed span: the step's clock restarts below.
                 step_calls.append(gpumem.torch.driver_calls())
+            if step_hooks is not None:
+                step_hooks.append(gpumem.torch.hook_time())  # outside the timed span too
             free, _ = torch.cuda.mem_get_info()
             used_peak = max(used_peak, total - free)
             t = time.perf_counter()
@@ -356,6 +404,9 @@ def child(args) -> None:
             raise
         oom = f"RuntimeError: {str(e)[:300]}"
     torch.cuda.synchronize()
+    if kernel_prof is not None:
+        kernel_prof.stop()
+        out["kernel_time"] = kernel_totals(torch, kernel_prof, max(1, len(times) - spec["warmup"]))
     stats = torch.cuda.memory_stats()  # gpumem's after install() (patched), else PyTorch's
     warm = times[spec["warmup"]:] if len(times) > spec["warmup"] else times
     out.update({
@@ -409,6 +460,14 @@ def child(args) -> None:
                                  if v["calls"] > prev.get(k, {}).get("calls", 0)})
                 prev = snap
             out["gpumem_step_driver_calls"] = per_step
+        if step_hooks is not None and len(step_hooks) > 1:
+            # Per step: {hook: [calls, host seconds]} inside gpumem during that step.
+            per_step = [{k: [b[k]["calls"] - a[k]["calls"], b[k]["seconds"] - a[k]["seconds"]] for k in b}
+                        for a, b in zip(step_hooks, step_hooks[1:])]
+            out["gpumem_step_hooks"] = per_step
+            timed = per_step[spec["warmup"]:] or per_step
+            out["gpumem_hook_s_per_step"] = statistics.mean(sum(v[1] for v in st.values()) for st in timed)
+            out["gpumem_hook_calls_per_step"] = statistics.mean(sum(v[0] for v in st.values()) for st in timed)
         out["gpumem_policy_notes"] = gpumem.torch.policy_notes()
         snap_dir = os.environ.get("GPUMEM_BENCH_SNAPSHOT_DIR")
         if snap_dir:
@@ -494,6 +553,8 @@ def summarize(results, allocators):
             cell["driver_delta_ratio"] = (r["driver_used_delta_peak"] / live) if live and r.get("driver_used_delta_peak") else None
             if r.get("gpumem_driver_s_per_step") is not None:
                 cell["driver_ms"] = 1000 * r["gpumem_driver_s_per_step"]
+            if r.get("gpumem_hook_s_per_step") is not None:
+                cell["hook_ms"] = 1000 * r["gpumem_hook_s_per_step"]
             cell["peak_held"] = r.get("peak_held")
             cell["requested_peak"] = r.get("requested_peak")
             row["alloc"][a] = cell
@@ -555,7 +616,11 @@ def print_tables(rows, allocators, maxbatch, cap_bytes):
         ("Cross-check: device used memory at step boundaries minus before (cuMemGetInfo) / peak live",
          "driver_delta_ratio"),
         ("gpumem: host ms per timed step spent in driver calls (measured around each call)", "driver_ms"),
+        ("gpumem: host ms per timed step inside PyTorch's calls into gpumem, driver calls included "
+         "(GPUMEM_BENCH_HOOK_TIME=1)", "hook_ms"),
     ):
+        if not any(key in c for r in rows for c in r["alloc"].values()):
+            continue
         print()
         print(title)
         print(f"{'workload':<16}" + "".join(f"{a:>17}" for a in allocators))

@@ -63,6 +63,8 @@ __all__ = [
     "set_memory_fraction",
     "error_counts",
     "driver_calls",
+    "time_hooks",
+    "hook_time",
     "policy_notes",
     "devices",
     "oom_exception",
@@ -435,6 +437,23 @@ def driver_calls(device: DeviceLike = None) -> Dict[str, Dict[str, float]]:
     synchronisation's seconds are time the host waited for the GPU)."""
     raw = _native.torch_driver_calls(_device_index(device))
     return {k: {"calls": n, "pages": p, "seconds": s} for k, (n, p, s) in raw.items()}
+
+
+def time_hooks(on: bool = True) -> None:
+    """Switches on (or off) the timing of PyTorch's calls into gpumem: every allocation, free
+    and ``record_stream``, on every device and thread, driver calls included. The totals
+    (``hook_time()``) are kept when it is switched off. Costs two clock reads per call (tens of
+    nanoseconds), so it is off until asked for."""
+    _native.torch_time_hooks(bool(on))
+
+
+def hook_time() -> Dict[str, Dict[str, float]]:
+    """Host time spent inside PyTorch's calls into gpumem while ``time_hooks()`` was on, by
+    hook (``alloc``, ``free``, ``record_stream``): ``calls`` timed and ``seconds`` inside
+    them, since the process started. The difference of two readings around a training step
+    is what gpumem added to that step's host work."""
+    raw = _native.torch_hook_time()
+    return {k: {"calls": n, "seconds": s} for k, (n, s) in raw.items()}
 
 
 def policy_notes(device: DeviceLike = None) -> List[str]:

@@ -397,3 +397,32 @@ def test_policy_notes_are_empty_until_the_policy_changes_something():
     assert gpumem.torch.memory_summary(dev).rstrip().endswith("|")  # nothing under the table
     with pytest.raises(ValueError, match="invalid CUDA device index"):
         gpumem.torch.policy_notes(-1)
+
+
+def test_hook_time_counts_exactly_the_calls_made_while_on():
+    """gpumem.torch.time_hooks(): every alloc, free and record_stream made while the clock is
+    on is counted, with its time; none while it is off."""
+    dev = 1
+    before = gpumem.torch.hook_time()
+    assert set(before) == {"alloc", "free", "record_stream"}
+    # Off by default: calls leave the totals as they are.
+    _native.torch_free(_native.torch_alloc(4096, dev, 0), dev, 0)
+    assert gpumem.torch.hook_time() == before
+
+    gpumem.torch.time_hooks(True)
+    try:
+        ptrs = [_native.torch_alloc(512 * (i + 1), dev, 0) for i in range(50)]
+        _native.torch_record_stream(ptrs[0], 0x7000)
+        for p in ptrs:
+            assert _native.torch_free(p, dev, 0) == "freed"
+        on = gpumem.torch.hook_time()
+    finally:
+        gpumem.torch.time_hooks(False)
+    for hook, n in (("alloc", 50), ("free", 50), ("record_stream", 1)):
+        assert on[hook]["calls"] - before[hook]["calls"] == n, hook
+        assert on[hook]["seconds"] > before[hook]["seconds"], hook
+    # Each call is timed around gpumem's work alone: far less than a millisecond per call.
+    assert (on["alloc"]["seconds"] - before["alloc"]["seconds"]) / 50 < 1e-3
+
+    _native.torch_free(_native.torch_alloc(4096, dev, 0), dev, 0)
+    assert gpumem.torch.hook_time() == on, "switched off: nothing more counted"

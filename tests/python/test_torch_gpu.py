@@ -418,3 +418,32 @@ print(hex(leaked.data_ptr()))
     assert "gpumem leak check: allocations still live at exit" in err, err
     assert ptr in err and "7.00 MiB" in err, err
     assert "3.00 MiB" not in err, err
+
+
+def test_hook_time_counts_pytorchs_own_calls():
+    """time_hooks() times the calls PyTorch itself makes through the pluggable allocator: one
+    allocation and one free per tensor, one record_stream per Tensor.record_stream."""
+    r = run_python(
+        PRELUDE
+        + """
+torch.empty(1, device="cuda")  # creates the device's allocator outside the timed span
+gpumem.torch.time_hooks(True)
+before = gpumem.torch.hook_time()
+side = torch.cuda.Stream()
+for i in range(100):
+    t = torch.empty(1000 + i, device="cuda")
+    if i == 0:
+        t.record_stream(side)
+    del t
+torch.cuda.synchronize()
+after = gpumem.torch.hook_time()
+gpumem.torch.time_hooks(False)
+print(json.dumps({k: [after[k]["calls"] - before[k]["calls"], after[k]["seconds"] - before[k]["seconds"]]
+                  for k in after}))
+"""
+    )
+    assert r["alloc"][0] == 100 and r["free"][0] == 100, r
+    assert r["record_stream"][0] == 1, r
+    # gpumem's own work per call: well under 100 µs each (it is about 0.1-2 µs).
+    assert 0 < r["alloc"][1] < 100 * 100e-6, r
+    assert 0 < r["free"][1] < 100 * 100e-6, r

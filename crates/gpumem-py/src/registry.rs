@@ -85,6 +85,77 @@ pub struct Counters {
     warned: [AtomicBool; 5],
 }
 
+/// PyTorch's calls into gpumem that [`HookClock`] times.
+#[derive(Clone, Copy, Debug)]
+pub enum Hook {
+    Alloc = 0,
+    Free = 1,
+    RecordStream = 2,
+}
+
+impl Hook {
+    /// Every hook, in index order.
+    pub const ALL: [Hook; 3] = [Hook::Alloc, Hook::Free, Hook::RecordStream];
+
+    /// The name `gpumem.torch.hook_time()` reports it under.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hook::Alloc => "alloc",
+            Hook::Free => "free",
+            Hook::RecordStream => "record_stream",
+        }
+    }
+}
+
+/// Host time spent inside PyTorch's calls into gpumem (allocation, free, record_stream), driver
+/// calls included, once switched on: what gpumem adds to a step's host work, measured in the
+/// step itself. Off by default, since reading the clock twice per call costs tens of ns.
+#[derive(Debug, Default)]
+pub struct HookClock {
+    on: AtomicBool,
+    calls: [AtomicU64; 3],
+    nanos: [AtomicU64; 3],
+}
+
+impl HookClock {
+    /// Switches the clock on or off; the totals are kept either way.
+    pub fn set(&self, on: bool) {
+        self.on.store(on, Ordering::Relaxed);
+    }
+
+    /// The start of a timed call, if the clock is on.
+    #[inline]
+    pub fn start(&self) -> Option<std::time::Instant> {
+        self.on
+            .load(Ordering::Relaxed)
+            .then(std::time::Instant::now)
+    }
+
+    /// Adds the call started at `start` (nothing if the clock was off then).
+    #[inline]
+    pub fn stop(&self, hook: Hook, start: Option<std::time::Instant>) {
+        if let Some(t) = start {
+            let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.calls[hook as usize].fetch_add(1, Ordering::Relaxed);
+            self.nanos[hook as usize].fetch_add(ns, Ordering::Relaxed);
+        }
+    }
+
+    /// (hook, calls timed, nanoseconds inside them) of every hook since the process started.
+    pub fn snapshot(&self) -> Vec<(Hook, u64, u64)> {
+        Hook::ALL
+            .iter()
+            .map(|&h| {
+                (
+                    h,
+                    self.calls[h as usize].load(Ordering::Relaxed),
+                    self.nanos[h as usize].load(Ordering::Relaxed),
+                )
+            })
+            .collect()
+    }
+}
+
 /// Writes a line to stderr, ignoring a failure to write (`eprintln!` panics when stderr is a
 /// closed pipe, and these lines are written from PyTorch's hooks, where a panic outside
 /// `catch_unwind` would abort the process).
@@ -226,6 +297,8 @@ pub struct Registry {
     setup: Mutex<Setup>,
     /// Misuse and failures reported instead of raised.
     pub counters: Counters,
+    /// Host time inside the hooks, when switched on.
+    pub clock: HookClock,
 }
 
 static GLOBAL: LazyLock<Registry> = LazyLock::new(|| Registry::new(Source::Cuda));
@@ -260,6 +333,7 @@ impl Registry {
                 created: false,
             }),
             counters: Counters::default(),
+            clock: HookClock::default(),
         }
     }
 
@@ -445,6 +519,14 @@ impl Registry {
     /// null pointer, as PyTorch's own allocator returns for them.
     #[inline]
     pub fn alloc(&self, size: u64, device: i32, stream: Stream) -> Result<DevPtr, TorchError> {
+        let t = self.clock.start();
+        let r = self.alloc_untimed(size, device, stream);
+        self.clock.stop(Hook::Alloc, t);
+        r
+    }
+
+    #[inline]
+    fn alloc_untimed(&self, size: u64, device: i32, stream: Stream) -> Result<DevPtr, TorchError> {
         if size == 0 {
             return Ok(0);
         }
@@ -458,6 +540,14 @@ impl Registry {
 
     /// Frees for PyTorch. Never fails: misuse is counted and reported once on stderr.
     pub fn free(&self, ptr: DevPtr, device: i32, stream: Stream) -> FreeOutcome {
+        let t = self.clock.start();
+        let r = self.free_untimed(ptr, device, stream);
+        self.clock.stop(Hook::Free, t);
+        r
+    }
+
+    #[inline]
+    fn free_untimed(&self, ptr: DevPtr, device: i32, stream: Stream) -> FreeOutcome {
         if ptr == 0 {
             return FreeOutcome::Null;
         }
@@ -541,6 +631,13 @@ impl Registry {
     /// is ignored (as PyTorch's allocator ignores memory it does not own). Returns whether a
     /// gpumem block was found.
     pub fn record_stream(&self, ptr: DevPtr, stream: Stream) -> bool {
+        let t = self.clock.start();
+        let r = self.record_stream_untimed(ptr, stream);
+        self.clock.stop(Hook::RecordStream, t);
+        r
+    }
+
+    fn record_stream_untimed(&self, ptr: DevPtr, stream: Stream) -> bool {
         if ptr == 0 {
             return false;
         }
@@ -691,6 +788,37 @@ mod tests {
         assert_eq!(r.free(b, 1, 7), FreeOutcome::Freed);
         assert_eq!(r.memory_stats(0).allocated_bytes.all.current, 0);
         assert_eq!(r.memory_stats(3).allocated_bytes.all.peak, 0);
+    }
+
+    #[test]
+    fn the_hook_clock_times_only_calls_made_while_on() {
+        let r = sim(1, 1 << 30, false);
+        let counts =
+            |r: &Registry| -> Vec<u64> { r.clock.snapshot().iter().map(|&(_, n, _)| n).collect() };
+        let a = r.alloc(MIB, 0, 0).unwrap();
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(counts(&r), vec![0, 0, 0], "off by default");
+        r.clock.set(true);
+        let a = r.alloc(MIB, 0, 0).unwrap();
+        let b = r.alloc(3 * MIB, 0, 0).unwrap();
+        assert!(r.record_stream(a, 9));
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        // Misuse is timed too: it is a call PyTorch made.
+        assert_eq!(r.free(0xdead_0000, 0, 0), FreeOutcome::Foreign);
+        r.clock.set(false);
+        assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed);
+        assert_eq!(counts(&r), vec![2, 2, 1]);
+        let names: Vec<&str> = r
+            .clock
+            .snapshot()
+            .iter()
+            .map(|(h, _, _)| h.name())
+            .collect();
+        assert_eq!(names, ["alloc", "free", "record_stream"]);
+        assert!(
+            r.clock.snapshot()[0].2 > 0,
+            "two allocations took some time"
+        );
     }
 
     #[test]

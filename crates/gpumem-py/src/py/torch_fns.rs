@@ -230,6 +230,22 @@ fn torch_driver_calls(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, P
     Ok(d)
 }
 
+/// Switches the timing of PyTorch's calls into gpumem on or off (totals are kept).
+#[pyfunction]
+fn torch_time_hooks(on: bool) {
+    global().clock.set(on);
+}
+
+/// Host time inside PyTorch's calls into gpumem while timed: {hook: (calls, seconds)}.
+#[pyfunction]
+fn torch_hook_time(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (hook, calls, nanos) in global().clock.snapshot() {
+        d.set_item(hook.name(), (calls, nanos as f64 * 1e-9))?;
+    }
+    Ok(d)
+}
+
 /// What gpumem's policy on `device` changed on its own so far, one line each (empty if
 /// nothing, or no allocator on that device yet).
 #[pyfunction]
@@ -344,6 +360,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_error_counts, m)?)?;
     m.add_function(wrap_pyfunction!(torch_driver_calls, m)?)?;
     m.add_function(wrap_pyfunction!(torch_policy_notes, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_time_hooks, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_hook_time, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc, m)?)?;
     m.add_function(wrap_pyfunction!(torch_free, m)?)?;
     m.add_function(wrap_pyfunction!(torch_record_stream, m)?)?;
