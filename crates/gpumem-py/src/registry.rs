@@ -88,8 +88,11 @@ pub struct Counters {
 /// PyTorch's calls into gpumem that [`HookClock`] times.
 #[derive(Clone, Copy, Debug)]
 pub enum Hook {
+    /// The allocation hook (`gpumem_torch_alloc`).
     Alloc = 0,
+    /// The free hook (`gpumem_torch_free`).
     Free = 1,
+    /// `Tensor.record_stream` (`gpumem_torch_record_stream`).
     RecordStream = 2,
 }
 
