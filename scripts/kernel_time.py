@@ -45,48 +45,65 @@ def short(name, width=58):
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def report(workload, rounds, top):
+def compare(rounds, top):
+    """The figures `report` prints, for one workload's rounds ({round: {allocator: kernel_time}}):
+    {"native_us": median µs per step under native, or None,
+     "allocators": {name: {"us": median µs per step, "ratios": [per round ÷ native]}},
+     "kernels": [(name, native µs per step, {allocator: median ratio or None})]}."""
     allocators = []
     for by_alloc in rounds.values():
         for a in by_alloc:
             if a not in allocators:
                 allocators.append(a)
     others = [a for a in allocators if a != "native"]
-    print(f"\n== {workload}: GPU time of kernels, copies and memsets per timed step")
-    print(f"{'allocator':<22} {'µs/step (median)':>17} {'÷ native, per round':>30} {'median':>8}")
-    native_us = [by["native"]["us_per_step"] for by in rounds.values() if "native" in by]
-    if not native_us:
-        print("  (no native run: nothing to compare with)")
-        return
-    print(f"{'native':<22} {statistics.median(native_us):>17.0f}")
+    paired = [by for by in rounds.values() if "native" in by]
+    if not paired:
+        return {"native_us": None, "allocators": {}, "kernels": []}
+    out = {"native_us": statistics.median(by["native"]["us_per_step"] for by in paired),
+           "allocators": {}, "kernels": []}
     for a in others:
-        ratios = [by[a]["us_per_step"] / by["native"]["us_per_step"]
-                  for by in rounds.values() if a in by and "native" in by]
-        us = [by[a]["us_per_step"] for by in rounds.values() if a in by]
-        if not ratios:
-            continue
-        per_round = " ".join(f"{x:.4f}" for x in ratios)
-        print(f"{a:<22} {statistics.median(us):>17.0f} {per_round:>30} {statistics.median(ratios):>8.4f}")
-
-    # The largest kernels under native, each allocator's time for the same name.
+        ratios = [by[a]["us_per_step"] / by["native"]["us_per_step"] for by in paired if a in by]
+        if ratios:
+            out["allocators"][a] = {"us": statistics.median(by[a]["us_per_step"] for by in paired if a in by),
+                                    "ratios": ratios}
     native_names = defaultdict(list)
-    for by in rounds.values():
-        if "native" in by:
-            for name, us in per_name(by["native"]).items():
-                native_names[name].append(us)
+    for by in paired:
+        for name, us in per_name(by["native"]).items():
+            native_names[name].append(us)
     ranked = sorted(native_names.items(), key=lambda kv: -statistics.median(kv[1]))[:top]
-    header = f"{'kernel (largest under native)':<58} {'native µs':>10}" + "".join(f" {a[:14]:>14}" for a in others)
-    print("\n" + header)
     for name, us_list in ranked:
-        row = f"{short(name):<58} {statistics.median(us_list):>10.0f}"
+        cells = {}
         for a in others:
             ratios = []
-            for by in rounds.values():
-                if a in by and "native" in by:
+            for by in paired:
+                if a in by:
                     mine, theirs = per_name(by[a]).get(name), per_name(by["native"]).get(name)
                     if mine and theirs:
                         ratios.append(mine / theirs)
-            row += f" {statistics.median(ratios):>14.4f}" if ratios else f" {'-':>14}"
+            cells[a] = statistics.median(ratios) if ratios else None
+        out["kernels"].append((name, statistics.median(us_list), cells))
+    return out
+
+
+def report(workload, rounds, top):
+    c = compare(rounds, top)
+    print(f"\n== {workload}: GPU time of kernels, copies and memsets per timed step")
+    if c["native_us"] is None:
+        print("  (no native run: nothing to compare with)")
+        return
+    print(f"{'allocator':<22} {'µs/step (median)':>17} {'÷ native, per round':>30} {'median':>8}")
+    print(f"{'native':<22} {c['native_us']:>17.0f}")
+    for a, f in c["allocators"].items():
+        per_round = " ".join(f"{x:.4f}" for x in f["ratios"])
+        print(f"{a:<22} {f['us']:>17.0f} {per_round:>30} {statistics.median(f['ratios']):>8.4f}")
+    others = list(c["allocators"])
+    header = f"{'kernel (largest under native)':<58} {'native µs':>10}" + "".join(f" {a[:14]:>14}" for a in others)
+    print("\n" + header)
+    for name, us, cells in c["kernels"]:
+        row = f"{short(name):<58} {us:>10.0f}"
+        for a in others:
+            r = cells.get(a)
+            row += f" {r:>14.4f}" if r is not None else f" {'-':>14}"
         print(row)
 
 

@@ -1,0 +1,81 @@
+"""The measurement scripts' own arithmetic, on made-up inputs (no PyTorch, no GPU): what
+scripts/kernel_time.py reports from bench_workloads.py's JSON lines, and how
+bench_workloads.py sums a profiler's device events."""
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_time_line(allocator, rnd, by_name, steps=10):
+    total = sum(us for _, _, us in by_name)
+    return json.dumps({"workload": "w", "allocator": allocator, "round": rnd, "kernel_time": {
+        "steps": steps, "us_per_step": total / steps, "events_per_step": 3, "by_name": by_name}})
+
+
+def test_kernel_time_ratios_are_per_round_and_per_kernel(tmp_path):
+    kt = load("kernel_time")
+    lines = []
+    # Round 0: gpumem's copy kernel 10 % slower; round 1: 20 % slower. The matrix multiply is
+    # the same in both. A third allocator ran only in round 1.
+    for rnd, slow in ((0, 1.1), (1, 1.2)):
+        lines.append(kernel_time_line("native", rnd, [["gemm", 5, 8000.0], ["copy", 5, 2000.0]]))
+        lines.append(kernel_time_line("gpumem", rnd, [["gemm", 5, 8000.0], ["copy", 5, 2000.0 * slow]]))
+    lines.append(kernel_time_line("other", 1, [["gemm", 5, 4000.0]]))
+    path = tmp_path / "bench.jsonl"
+    path.write_text("\n".join(lines + ['{"summary": []}', "not json"]) + "\n")
+    runs = kt.load(str(path))
+    c = kt.compare(runs["w"], top=5)
+    assert c["native_us"] == pytest.approx(1000.0)
+    g = c["allocators"]["gpumem"]
+    assert g["ratios"] == pytest.approx([1.02, 1.04])
+    assert g["us"] == pytest.approx(1030.0)
+    assert c["allocators"]["other"]["ratios"] == pytest.approx([0.4])
+    names = [k[0] for k in c["kernels"]]
+    assert names == ["gemm", "copy"], "largest under native first"
+    gemm, copy = c["kernels"]
+    assert gemm[1] == pytest.approx(800.0) and gemm[2]["gpumem"] == pytest.approx(1.0)
+    assert copy[2]["gpumem"] == pytest.approx(1.15), "median of 1.1 and 1.2"
+    assert copy[2]["other"] is None, "a kernel the run did not record has no ratio"
+
+
+def test_kernel_time_without_native_says_so(tmp_path, capsys, monkeypatch):
+    kt = load("kernel_time")
+    path = tmp_path / "bench.jsonl"
+    path.write_text(kernel_time_line("gpumem", 0, [["k", 1, 10.0]]) + "\n")
+    assert kt.compare(kt.load(str(path))["w"], top=3)["native_us"] is None
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"workload": "w", "allocator": "native", "step_s": [0.1]}\n')
+    monkeypatch.setattr("sys.argv", ["kernel_time.py", str(empty)])
+    assert kt.main() == 1
+    assert "no run recorded kernel_time" in capsys.readouterr().err
+
+
+def test_kernel_totals_sums_device_events_only():
+    bw = load("bench_workloads")
+    cuda, cpu = object(), object()
+    fake_torch = SimpleNamespace(autograd=SimpleNamespace(DeviceType=SimpleNamespace(CUDA=cuda)))
+
+    def event(name, device, us):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("gemm", cuda, 300.0), event("copy", cuda, 50.0), event("gemm", cuda, 100.0),
+              event("aten::mm", cpu, 999.0)]
+    prof = SimpleNamespace(events=lambda: events)
+    t = bw.kernel_totals(fake_torch, prof, steps=2, top=1)
+    assert t["us_per_step"] == pytest.approx(225.0), "CPU events are left out"
+    assert t["events_per_step"] == pytest.approx(1.5)
+    assert t["by_name"] == [["gemm", 2, 400.0]], "the largest name only, with its count"
