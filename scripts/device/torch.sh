@@ -16,8 +16,10 @@
 # Good result: pytest ends with "N passed" (test_ddp_gpu skipped: needs 2 GPUs; no failures);
 # the benchmark's first table shows gpumem's held/live <= 1.02 and <= the best of the three
 # PyTorch allocators on every workload ("yes / yes"; serve_threads, four threads on their own
-# streams, is a known miss at 1.04-1.09), the step-time table shows gpumem <= 1.01 (the
-# prefetch pipeline is a known miss, see docs/stitched.md), and the max-batch table shows
+# streams, held 1.012-1.019 of live in sessions 20-21), the step-time table shows gpumem near
+# 1.00 (one round moves by up to 20 % on this host: add native-again to --allocators and
+# --repeat N to see how much; GPT-2 with random lengths pays for its pool's growth in the steps
+# that grow it, docs/stitched.md), and the max-batch table shows
 # gpumem's largest batch under the cap. Expect about 1 minute of tests and 12-13 minutes of
 # benchmark (2026-12-01: 21 of its 24 runs took 8 minutes; pass BENCH_ARGS="--workloads ..." to
 # split it across calls of a 10-minute limit). Full logs: $OUT/pytest.log, $OUT/bench.log,
