@@ -308,6 +308,14 @@ def kernel_totals(torch, prof, steps, top=40):
             "by_name": [[name, c, round(us, 1)] for name, (c, us) in ranked]}
 
 
+def step_deltas(snaps):
+    """From cumulative readings taken after each step ({kind: {"calls", "seconds", ...}}, the
+    first one the baseline): per step, {kind: [calls, seconds]} of the kinds called in it."""
+    return [{k: [v["calls"] - a.get(k, {}).get("calls", 0), v["seconds"] - a.get(k, {}).get("seconds", 0.0)]
+             for k, v in b.items() if v["calls"] > a.get(k, {}).get("calls", 0)}
+            for a, b in zip(snaps, snaps[1:])]
+
+
 def child(args) -> None:
     import torch
 
@@ -380,13 +388,14 @@ def child(args) -> None:
             if split is not None:
                 split.append({"launch": launched - t, "cpu": cpu1 - cpu0, "wait": now - launched,
                               "gpu": ev0.elapsed_time(ev1) / 1000.0})
-            if len(times) == spec["warmup"] and is_gpumem(args.allocator):
-                import gpumem
+            if len(times) == spec["warmup"]:
+                if is_gpumem(args.allocator):
+                    import gpumem
 
-                calls_after_warmup = gpumem.torch.driver_calls()
-            if len(times) == spec["warmup"] and want_kernels:
-                kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-                kernel_prof.start()
+                    calls_after_warmup = gpumem.torch.driver_calls()
+                if want_kernels:
+                    kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    kernel_prof.start()
             if step_calls is not None:
                 # Outside the timed span: the step's clock restarts below.
                 step_calls.append(gpumem.torch.driver_calls())
@@ -451,19 +460,11 @@ def child(args) -> None:
             n_timed = max(1, len(times) - spec["warmup"])
             out["gpumem_driver_s_per_step"] = sum(v["seconds"] for v in timed.values()) / n_timed
         if step_calls:
-            # Per step: {kind: [calls, host seconds]} made during that step.
-            per_step, prev = [], {}
-            for snap in step_calls:
-                per_step.append({k: [v["calls"] - prev.get(k, {}).get("calls", 0),
-                                     v["seconds"] - prev.get(k, {}).get("seconds", 0.0)]
-                                 for k, v in snap.items()
-                                 if v["calls"] > prev.get(k, {}).get("calls", 0)})
-                prev = snap
-            out["gpumem_step_driver_calls"] = per_step
+            # Per step: {kind: [calls, host seconds]} made during that step (from zero).
+            out["gpumem_step_driver_calls"] = step_deltas([{}] + step_calls)
         if step_hooks is not None and len(step_hooks) > 1:
             # Per step: {hook: [calls, host seconds]} inside gpumem during that step.
-            per_step = [{k: [b[k]["calls"] - a[k]["calls"], b[k]["seconds"] - a[k]["seconds"]] for k in b}
-                        for a, b in zip(step_hooks, step_hooks[1:])]
+            per_step = step_deltas(step_hooks)
             out["gpumem_step_hooks"] = per_step
             timed = per_step[spec["warmup"]:] or per_step
             out["gpumem_hook_s_per_step"] = statistics.mean(sum(v[1] for v in st.values()) for st in timed)

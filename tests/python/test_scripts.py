@@ -79,3 +79,13 @@ def test_kernel_totals_sums_device_events_only():
     assert t["us_per_step"] == pytest.approx(225.0), "CPU events are left out"
     assert t["events_per_step"] == pytest.approx(1.5)
     assert t["by_name"] == [["gemm", 2, 400.0]], "the largest name only, with its count"
+
+
+def test_step_deltas_are_per_step_and_name_only_kinds_called():
+    bw = load("bench_workloads")
+    snaps = [{}, {"cuMemMap": {"calls": 2, "pages": 2, "seconds": 0.5}},
+             {"cuMemMap": {"calls": 2, "pages": 2, "seconds": 0.5}},
+             {"cuMemMap": {"calls": 5, "pages": 5, "seconds": 0.75},
+              "cuEventRecord": {"calls": 1, "pages": 0, "seconds": 0.25}}]
+    assert bw.step_deltas(snaps) == [{"cuMemMap": [2, 0.5]}, {},
+                                     {"cuMemMap": [3, 0.25], "cuEventRecord": [1, 0.25]}]

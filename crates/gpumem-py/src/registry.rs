@@ -116,8 +116,8 @@ impl Hook {
 #[derive(Debug, Default)]
 pub struct HookClock {
     on: AtomicBool,
-    calls: [AtomicU64; 3],
-    nanos: [AtomicU64; 3],
+    calls: [AtomicU64; Hook::ALL.len()],
+    nanos: [AtomicU64; Hook::ALL.len()],
 }
 
 impl HookClock {
