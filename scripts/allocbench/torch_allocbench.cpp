@@ -1,9 +1,11 @@
-// PyTorch's caching allocator on gpumem's allocation-benchmark sequences (ops.h).
+// PyTorch's caching allocator on gpumem's allocation-benchmark sequences (ops.h), and on a
+// recorded workload's own sequence (gpumem_torch_run_trace).
 //
-// scripts/bench_torch_alloc.py builds this with torch.utils.cpp_extension (only c10 headers, no
-// Python bindings) and calls it through ctypes. Each call generates its sequences first, then
-// times the loop of c10::cuda::CUDACachingAllocator::raw_alloc_with_stream / raw_delete and
-// nothing else.
+// scripts/bench_torch_alloc.py and scripts/trace_alloc_time.py build this with
+// torch.utils.cpp_extension (only c10 headers, no Python bindings) and call it through ctypes.
+// Each call times the loop of c10::cuda::CUDACachingAllocator::raw_alloc_with_stream /
+// raw_delete and nothing else. Those go to whichever allocator PyTorch uses in the process: its
+// own, or gpumem's once gpumem.torch.install() has switched it.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -122,6 +124,76 @@ extern "C" double gpumem_torch_run(int64_t n_allocs, int64_t max_live, int64_t m
     report(err, err_len, e.what());
   } catch (...) {
     report(err, err_len, "unknown exception");
+  }
+  return -1.0;
+}
+
+// One pass of a recorded sequence on the current stream, through whichever allocator PyTorch
+// uses: op i allocates sizes[i] bytes into slot slots[i] when sizes[i] > 0, and frees that
+// slot's allocation when sizes[i] == 0. The ops are timed in `chunks` consecutive parts of
+// equal op count, chunk_ns[c] receiving part c's wall time. What is still allocated at the end
+// is freed afterwards, untimed, unless `keep_live` is set: then it stays allocated for the
+// rest of the process (a workload's weights and optimizer state, which the recording never
+// frees). Returns the pass's total ns, or a negative number with the message in `err` (after
+// freeing what the pass allocated).
+extern "C" double gpumem_torch_run_trace(const int64_t* sizes, const int64_t* slots,
+                                         int64_t n_ops, int64_t n_slots, int64_t chunks,
+                                         int keep_live, double* chunk_ns, char* err,
+                                         int err_len) {
+  std::vector<void*> held;
+  try {
+    if (n_ops < 1 || n_slots < 1 || chunks < 1 || chunks > n_ops) {
+      report(err, err_len, "expected at least one op, one slot, and 1 to n_ops chunks");
+      return -1.0;
+    }
+    for (int64_t i = 0; i < n_ops; ++i) {
+      if (sizes[i] < 0 || slots[i] < 0 || slots[i] >= n_slots) {
+        report(err, err_len, "op " + std::to_string(i) + ": bad size or slot");
+        return -1.0;
+      }
+    }
+    held.assign(static_cast<size_t>(n_slots), nullptr);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(0).stream();
+    double total = 0.0;
+    int64_t op = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t end = (c + 1 == chunks) ? n_ops : n_ops * (c + 1) / chunks;
+      auto start = Clock::now();
+      for (; op < end; ++op) {
+        void*& slot = held[static_cast<size_t>(slots[op])];
+        if (sizes[op] > 0) {
+          slot = cca::raw_alloc_with_stream(static_cast<size_t>(sizes[op]), stream);
+        } else if (slot) {
+          cca::raw_delete(slot);
+          slot = nullptr;
+        }
+      }
+      chunk_ns[c] = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+      total += chunk_ns[c];
+    }
+    for (void*& p : held) {
+      if (p && !keep_live) cca::raw_delete(p);
+      p = nullptr;
+    }
+    cudaError_t sync = cudaDeviceSynchronize();
+    if (sync != cudaSuccess) {
+      report(err, err_len, std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(sync));
+      return -1.0;
+    }
+    return total;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  } catch (...) {
+    report(err, err_len, "unknown exception");
+  }
+  for (void*& p : held) {
+    if (p) {
+      try {
+        cca::raw_delete(p);
+      } catch (...) {
+      }
+      p = nullptr;
+    }
   }
   return -1.0;
 }

@@ -89,3 +89,64 @@ def test_step_deltas_are_per_step_and_name_only_kinds_called():
               "cuEventRecord": {"calls": 1, "pages": 0, "seconds": 0.25}}]
     assert bw.step_deltas(snaps) == [{"cuMemMap": [2, 0.5]}, {},
                                      {"cuMemMap": [3, 0.25], "cuEventRecord": [1, 0.25]}]
+
+
+def test_trace_ops_pair_each_free_with_its_allocation():
+    tat = load("trace_alloc_time")
+    mib = 1 << 20
+    snap = {"device_traces": [[
+        {"action": "segment_alloc", "addr": 0, "size": 20 * mib, "stream": 0},
+        {"action": "free_requested", "addr": 0x900, "size": 512, "stream": 0},  # before the recording
+        {"action": "alloc", "addr": 0x100, "size": 3 * mib, "stream": 0},
+        {"action": "alloc", "addr": 0x200, "size": 512, "stream": 0},
+        {"action": "alloc", "addr": 0x300, "size": 0, "stream": 0},  # PyTorch never asks for 0 bytes
+        {"action": "free_requested", "addr": 0x100, "size": 3 * mib, "stream": 0},
+        {"action": "free_completed", "addr": 0x100, "size": 3 * mib, "stream": 0},
+        {"action": "alloc", "addr": 0x100, "size": mib, "stream": 7},  # same address, new block
+        {"action": "alloc", "addr": 0x400, "size": 1024, "stream": 0},
+        {"action": "free_requested", "addr": 0x200, "size": 512, "stream": 0},
+    ]]}
+    sizes, slots, n_slots, streams, persistent = tat.ops_from_snapshot(snap)
+    assert list(sizes) == [3 * mib, 512, 0, mib, 1024, 0]
+    # The freed slot 0 is taken again by the next allocation; the fourth block needs a third.
+    assert list(slots) == [0, 1, 0, 0, 2, 1]
+    assert n_slots == 3
+    assert streams == {0, 7}
+    # The two blocks the recording never frees are made in the first pass only.
+    assert persistent == [False, False, False, True, True, False]
+
+
+def test_trace_ops_refuse_what_is_not_a_trace():
+    tat = load("trace_alloc_time")
+    with pytest.raises(ValueError, match="no allocation trace"):
+        tat.ops_from_snapshot({"segments": []})
+    with pytest.raises(ValueError, match="no allocation"):
+        tat.ops_from_snapshot({"device_traces": [[{"action": "free_requested", "addr": 1}]]})
+    with pytest.raises(ValueError, match="allocated twice"):
+        tat.ops_from_snapshot({"device_traces": [[
+            {"action": "alloc", "addr": 1, "size": 8}, {"action": "alloc", "addr": 1, "size": 8}]]})
+
+
+def test_trace_time_table_sets_each_pass_beside_the_median_native_run():
+    tat = load("trace_alloc_time")
+
+    def run(name, rnd, ms, driver=None):
+        # Each pass in two chunks: its first 60 % and its last 40 %.
+        return {"allocator": name, "round": rnd, "peak_held": 2 << 30, "passes": [
+            {"ms": m, "ns_per_op": m * 1e6 / 1000, "chunk_ms": [0.6 * m, 0.4 * m],
+             "driver_ms": driver, "hook_ms": None if driver is None else driver + 1.0}
+            for m in ms]}
+
+    results = [run("native", 0, [100.0, 10.0, 30.0]), run("native", 1, [120.0, 14.0, 14.0]),
+               run("gpumem", 0, [150.0, 9.0, 11.0], driver=40.0),
+               {"allocator": "gpumem", "round": 1, "error": "exit 1: boom"}]
+    s = tat.summary(results[2])
+    assert s["first_ms"] == 150.0 and s["later_ms"] == pytest.approx(10.0)
+    assert s["later_half_ms"] == pytest.approx(4.0), "median of 0.4 * 9 and 0.4 * 11"
+    table = tat.render(results, trace_steps=10)
+    row = next(ln for ln in table.splitlines() if ln.startswith("gpumem") and " 0 " in ln)
+    # Native's runs: first passes 100 and 120 ms (median 110); later passes' medians 20 and 14
+    # (median 17). So gpumem is +40 ms (+4 per step) and -7 ms (-0.7 per step).
+    assert "150.0 [40.0, 41.0] +40.0 (+4.00/step)" in row
+    assert "10.0 [40.0, 41.0] -7.0 (-0.70/step)" in row
+    assert "exit 1: boom" in table
