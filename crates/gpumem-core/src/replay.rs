@@ -48,6 +48,10 @@ pub struct PolicyResult {
     /// `shared` (`range:shared`); none for the other policies.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub range: Option<&'static str>,
+    /// The stitched policy's physical page (`page:`, else the device's granularity); none for
+    /// the other policies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_bytes: Option<u64>,
     /// Peak bytes held from the device.
     pub peak_held_bytes: u64,
     /// Peak bytes of live requested tensors.
@@ -485,6 +489,7 @@ pub fn replay_on(
     Ok(PolicyResult {
         policy: policy.name().to_string(),
         range: (policy == PolicyKind::Stitched).then_some(alloc.config().options.range.name()),
+        page_bytes: (policy == PolicyKind::Stitched).then(|| alloc.device().lock().page()),
         peak_held_bytes,
         peak_live_bytes,
         ratio: if peak_live_bytes == 0 {

@@ -358,6 +358,7 @@ mod tests {
         PolicyResult {
             policy: policy.into(),
             range: None,
+            page_bytes: None,
             peak_held_bytes: pts.iter().map(|p| p.1).max().unwrap_or(0),
             peak_live_bytes: pts.iter().map(|p| p.2).max().unwrap_or(0),
             ratio: 1.0,

@@ -114,10 +114,53 @@ pub fn render(
         }
     }
     for r in results {
+        if let Some(line) = growth_hint(r) {
+            out.push_str(&line);
+        }
+    }
+    for r in results {
         out.push_str(&remap_sites(r, REMAP_SITES_SHOWN));
     }
     out
 }
+
+/// Under stitched with pages under 16 MiB, a pool of at least [`GROWTH_HINT_HELD`] grown in at
+/// least [`GROWTH_HINT_PAGES`] pages: what growing cost, and the setting that cuts it. Each
+/// page is a handle, and the driver's cost is per handle (about 50 µs to create, map and set
+/// access on an H200, BENCHMARKS.md §3, session 27), while pools this large stay within about
+/// 1 % of live with 16 MiB pages (§1, session 25: 1.0027–1.0089 on the recorded traces of
+/// 4–24 GiB; smaller pools do not, which is why it is not the default).
+fn growth_hint(r: &PolicyResult) -> Option<String> {
+    let page = r.page_bytes?;
+    let created = r.driver_calls.get("cuMemCreate")?.as_u64()?;
+    if r.policy != "stitched"
+        || page >= 16 << 20
+        || r.peak_held_bytes < GROWTH_HINT_HELD
+        || created < GROWTH_HINT_PAGES
+    {
+        return None;
+    }
+    Some(format!(
+        "stitched grew the pool to {} in {} pages of {} (about {:.2} s of driver calls in \
+         all, {:.2} s in the first quarter of the trace): in a run, the steps that grow the \
+         pool pay this as host time, about 50 µs per page on an H200, where PyTorch's \
+         allocator grows by large cudaMalloc'ed segments. A pool this large stays within about \
+         1 % of live with larger pages: add `--conf page:16MiB` to compare (docs/stitched.md, \
+         \"What it costs when the pool grows\").\n",
+        format_size(r.peak_held_bytes),
+        created,
+        format_size(page),
+        r.est_driver_seconds,
+        r.est_seconds_by_quarter[0]
+    ))
+}
+
+/// Pool size from which [`growth_hint`] speaks: the recorded traces that hold this much keep
+/// within 1.009 of live with 16 MiB pages, the smaller ones do not.
+const GROWTH_HINT_HELD: u64 = 4 << 30;
+
+/// Pages made from which [`growth_hint`] speaks (2 GiB of 2 MiB pages, about 0.05 s).
+const GROWTH_HINT_PAGES: u64 = 1024;
 
 /// Rows of the remap-site table shown (`gpumem replay --remap-sites`); the JSON has them all.
 const REMAP_SITES_SHOWN: usize = 12;
@@ -208,6 +251,7 @@ mod tests {
         PolicyResult {
             policy: policy.into(),
             range: None,
+            page_bytes: None,
             peak_held_bytes: 2 << 30,
             peak_live_bytes: 2 << 30,
             ratio: 1.0,
@@ -259,6 +303,35 @@ mod tests {
             out.contains("stitched makes 21 mapping calls and host waits"),
             "{out}"
         );
+    }
+
+    #[test]
+    fn a_large_pool_grown_in_small_pages_points_at_larger_ones() {
+        let mut st = result("stitched", 0);
+        st.page_bytes = Some(2 << 20);
+        st.peak_held_bytes = 23 << 30;
+        st.driver_calls = serde_json::json!({"cuMemCreate": 11_892, "cuMemMap": 14_952});
+        st.est_driver_seconds = 0.52;
+        st.est_seconds_by_quarter = [0.49, 0.03, 0.0, 0.0];
+        let out = render("t", 10, &[st.clone()], None);
+        assert!(
+            out.contains("stitched grew the pool to 23.00 GiB in 11892 pages of 2.00 MiB (about 0.52 s of driver calls in all, 0.49 s in the first quarter"),
+            "{out}"
+        );
+        assert_eq!(out.matches("--conf page:16MiB").count(), 1, "{out}");
+        // Already on 16 MiB pages, a small pool, little growth, or another policy: nothing.
+        let mut big_pages = st.clone();
+        big_pages.page_bytes = Some(16 << 20);
+        let mut small = st.clone();
+        small.peak_held_bytes = 3 << 30;
+        let mut few = st.clone();
+        few.driver_calls = serde_json::json!({"cuMemCreate": 1_000});
+        let mut caching = st.clone();
+        caching.policy = "caching".into();
+        for r in [big_pages, small, few, caching] {
+            let out = render("t", 10, &[r], None);
+            assert!(!out.contains("page:16MiB"), "{out}");
+        }
     }
 
     #[test]
