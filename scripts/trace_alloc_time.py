@@ -58,7 +58,8 @@ def ops_from_snapshot(snap, device=0):
 
     sizes[i] > 0: allocate that many bytes into slots[i]; 0: free slots[i]. A free is the
     user's (`free_requested`, when PyTorch's caller let go), not the allocator's later
-    `free_completed`. Frees of blocks allocated before the recording started are left out, as
+    `free_completed`, unless the trace has no `free_requested` (older PyTorch wrote `free`;
+    a trace of completions only is taken as it is). Frees of blocks allocated before the recording started are left out, as
     are zero-byte allocations (PyTorch does not ask the allocator for those). Slots are reused
     lowest first, so n_slots is the most blocks live at once. persistent[i] is True for an
     allocation the recording never frees (weights, optimizer state): later passes leave it
@@ -70,6 +71,8 @@ def ops_from_snapshot(snap, device=0):
     by_addr, free_slots, n_slots = {}, [], 0
     alloc_op = {}  # address -> index of its allocation op
     persistent = []
+    actions = {e.get("action") for e in traces[device]}
+    frees = next((a for a in ("free_requested", "free", "free_completed") if a in actions), None)
     for e in traces[device]:
         action = e.get("action")
         if action == "alloc":
@@ -89,7 +92,7 @@ def ops_from_snapshot(snap, device=0):
             slots.append(slot)
             persistent.append(True)
             streams.add(e.get("stream", 0))
-        elif action == "free_requested":
+        elif action == frees:
             slot = by_addr.pop(e["addr"], None)
             if slot is None:
                 continue
@@ -290,8 +293,11 @@ def main():
     out_dir = args.out or tempfile.mkdtemp(prefix="gpumem-trace-time-")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
-    sizes, slots, n_slots, streams, persistent = ops_from_snapshot(read_snapshot(args.trace),
-                                                                   args.device)
+    try:
+        snap = read_snapshot(args.trace)
+        sizes, slots, n_slots, streams, persistent = ops_from_snapshot(snap, args.device)
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError) as e:
+        p.error(f"cannot read {args.trace} as a PyTorch snapshot with a trace: {e}")
     later = [i for i in range(len(sizes)) if not persistent[i]]
     if len(streams) > 1:
         log(f"# note: the trace uses {len(streams)} streams; every op runs on one stream here")

@@ -116,6 +116,17 @@ def test_trace_ops_pair_each_free_with_its_allocation():
     assert persistent == [False, False, False, True, True, False]
 
 
+def test_trace_ops_take_completed_frees_when_the_trace_has_no_requested_ones():
+    tat = load("trace_alloc_time")
+    snap = {"device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 8}, {"action": "alloc", "addr": 2, "size": 16},
+        {"action": "free_completed", "addr": 1, "size": 8}, {"action": "free", "addr": 2}]]}
+    sizes, slots, _, _, persistent = tat.ops_from_snapshot(snap)
+    # Legacy `free` comes before completions in the order of preference.
+    assert list(sizes) == [8, 16, 0] and list(slots) == [0, 1, 1]
+    assert persistent == [True, False, False]
+
+
 def test_trace_ops_refuse_what_is_not_a_trace():
     tat = load("trace_alloc_time")
     with pytest.raises(ValueError, match="no allocation trace"):
