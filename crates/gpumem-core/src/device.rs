@@ -512,8 +512,20 @@ impl DeviceState {
         stream: Stream,
         pool: Pool,
     ) -> Result<DevPtr, BackendError> {
+        self.address_reserve_aligned(bytes, stream, pool, 0)
+    }
+
+    /// [`DeviceState::address_reserve`] aligned to at least `align` bytes as well (the pages of
+    /// a pool larger than the device's page).
+    pub fn address_reserve_aligned(
+        &mut self,
+        bytes: u64,
+        stream: Stream,
+        pool: Pool,
+        align: u64,
+    ) -> Result<DevPtr, BackendError> {
         // Aligned to the page, which `page:` may make larger than the backend's granularity.
-        let align = self.info.page_bytes;
+        let align = self.info.page_bytes.max(align);
         let va = self.call(DriverCall::AddressReserve, 0, 0, |b| {
             b.address_reserve(bytes, align)
         })?;

@@ -48,8 +48,8 @@ pub struct PolicyResult {
     /// `shared` (`range:shared`); none for the other policies.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub range: Option<&'static str>,
-    /// The stitched policy's physical page (`page:`, else the device's granularity); none for
-    /// the other policies.
+    /// The stitched policy's physical page (`page:`, else the device's granularity; with
+    /// `big_page`, the second tier's); none for the other policies.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub page_bytes: Option<u64>,
     /// Peak bytes held from the device.
@@ -489,7 +489,13 @@ pub fn replay_on(
     Ok(PolicyResult {
         policy: policy.name().to_string(),
         range: (policy == PolicyKind::Stitched).then_some(alloc.config().options.range.name()),
-        page_bytes: (policy == PolicyKind::Stitched).then(|| alloc.device().lock().page()),
+        page_bytes: (policy == PolicyKind::Stitched).then(|| {
+            alloc
+                .device()
+                .lock()
+                .page()
+                .max(alloc.config().options.big_page)
+        }),
         peak_held_bytes,
         peak_live_bytes,
         ratio: if peak_live_bytes == 0 {

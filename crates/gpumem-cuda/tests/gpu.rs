@@ -169,11 +169,14 @@ fn every_policy_allocates_and_frees_a_random_mix() {
 fn patterns_survive_their_neighbours() {
     let _gpu = exclusive();
     // Every policy, the stitched one with one range shared by both streams, whose blocks
-    // then share pages, and the stitched one on 8 MiB physical pages (several of the
-    // device's granules per handle, mapped at 8 MiB-aligned addresses).
+    // then share pages, the stitched one on 8 MiB physical pages (several of the device's
+    // granules per handle, mapped at 8 MiB-aligned addresses), and the stitched one in two
+    // tiers, switching to 16 MiB pages once 64 MiB are held (blocks of both tiers live
+    // together, and the first tier's pages go back as they are freed).
     let runs = PolicyKind::ALL.into_iter().map(|p| (p, "")).chain([
         (PolicyKind::Stitched, "range:shared"),
         (PolicyKind::Stitched, "page:8MiB"),
+        (PolicyKind::Stitched, "big_page:16MiB,big_after:64MiB"),
     ]);
     for (policy, conf) in runs {
         let a = gpu(policy, conf);
@@ -212,6 +215,13 @@ fn patterns_survive_their_neighbours() {
             expect_pattern(b, *p, &format!("{} {conf} at the end", policy.name()));
         }
         a.engine().check().expect("invariants");
+        if conf.starts_with("big_page") {
+            let notes = a.engine().policy_notes();
+            assert!(
+                notes.iter().any(|n| n.contains("big_page")),
+                "the pool never switched: {notes:?}"
+            );
+        }
     }
 }
 

@@ -89,7 +89,13 @@ impl Allocator {
         }
         let device = Arc::new(device);
         let info = device.info().clone();
-        let factory = PolicyFactory::new(config.policy, &info, &config.options);
+        // A preallocated reserve is made of the device's pages, which the second tier of
+        // `big_page` does not use: with one, the pool keeps a single page size.
+        let mut options = config.options.clone();
+        if config.prealloc.is_some() {
+            options.big_page = 0;
+        }
+        let factory = PolicyFactory::new(config.policy, &info, &options);
         {
             let mut d = device.lock();
             if let Some(cap) = config.cap {

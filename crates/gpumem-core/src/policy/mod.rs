@@ -64,6 +64,7 @@ mod live_map;
 pub mod segmented;
 pub mod shared_range;
 pub mod stitched;
+pub mod tiered;
 
 use crate::backend::{DevPtr, DeviceInfo, Stream};
 use crate::device::Device;
@@ -211,6 +212,14 @@ pub trait Policy: Send {
     /// range the one its device's streams share, and from then on they place their blocks
     /// there. Other policies keep a pool per stream. Called with this stream's shard locked.
     fn open_range_to_streams(&mut self) {}
+
+    /// Whether `addr` lies in virtual space this instance placed blocks in (the stitched
+    /// policy's ranges; see [`tiered::Tiered`], which sends each free to the tier that holds
+    /// it). The others place nothing of their own there: false.
+    fn holds(&self, addr: DevPtr) -> bool {
+        let _ = addr;
+        false
+    }
 }
 
 /// The policies gpumem knows.
@@ -325,6 +334,13 @@ pub struct PolicyOptions {
     /// stream repeat their layouts and never use it. Below the 1.02 bound, with room for the
     /// rounding to whole pages.
     pub shared_spare: f64,
+    /// Stitched: once the device holds [`PolicyOptions::big_after`] bytes, every block placed
+    /// from then on goes to a second pool whose pages are this many bytes (see
+    /// [`tiered`]); 0: off. The driver's cost is per handle, so a large pool grows for a
+    /// fraction of the time; the blocks placed before stay on 2 MiB pages.
+    pub big_page: u64,
+    /// Stitched: bytes held from which [`PolicyOptions::big_page`] applies.
+    pub big_after: u64,
 }
 
 /// Where the stitched policy's streams place their blocks.
@@ -380,6 +396,11 @@ pub const REMAP_WINDOWS_IN_A_ROW: u32 = 3;
 /// adds this times the share of the time remapping took: 9 % when it took 90 %.
 pub const REMAP_SLACK_MAX: f64 = 0.1;
 
+/// Default of [`PolicyOptions::big_after`]: the recorded traces that hold this much or more
+/// stay within 1.009 of live with 16 MiB pages, the smaller ones do not (BENCHMARKS.md §1,
+/// session 25).
+pub const BIG_AFTER: u64 = 4 << 30;
+
 /// Default of [`PolicyOptions::shared_spare`].
 pub const SHARED_SPARE: f64 = 0.015;
 
@@ -399,6 +420,8 @@ impl Default for PolicyOptions {
             trade_budget: 0.1,
             remap_budget: 0.2,
             shared_spare: SHARED_SPARE,
+            big_page: 0,
+            big_after: BIG_AFTER,
         }
     }
 }
@@ -411,6 +434,50 @@ pub struct PolicyFactory {
     pages: Option<Arc<stitched::PagePool>>,
     /// With a shared range: the streams' spills to ranges of their own.
     spills: Option<Arc<shared_range::SpillCount>>,
+    /// With `big_page`: the second tier's pool and spills, and the switch.
+    second: Option<SecondTier>,
+}
+
+/// What [`PolicyFactory`] keeps of the second tier (`big_page`): its page pool, its shared
+/// range's spills, and the switch.
+type SecondTier = (
+    Arc<stitched::PagePool>,
+    Option<Arc<shared_range::SpillCount>>,
+    Arc<tiered::TierSwitch>,
+);
+
+/// A maker of stitched instances drawing pages from `pool`, and the spills of its shared
+/// range (none with `range:stream`).
+fn stitched_maker(
+    pool: Arc<stitched::PagePool>,
+    va: u64,
+    opts: &PolicyOptions,
+) -> (tiered::MakePolicy, Option<Arc<shared_range::SpillCount>>) {
+    if opts.range == RangeMode::Stream {
+        return (
+            Box::new(move |s| Box::new(stitched::Stitched::new(s, pool.clone(), va))),
+            None,
+        );
+    }
+    let core = Arc::new(shared_range::CoreLock::new(shared_range::SharedCore::new(
+        pool, va,
+    )));
+    let spill = opts.spill;
+    let counted = Arc::new(shared_range::SpillCount::new(
+        opts.range == RangeMode::Shared,
+    ));
+    let spills = counted.clone();
+    (
+        Box::new(move |s| {
+            Box::new(shared_range::SharedStitched::new(
+                s,
+                core.clone(),
+                spill,
+                counted.clone(),
+            ))
+        }),
+        Some(spills),
+    )
 }
 
 impl PolicyFactory {
@@ -418,6 +485,7 @@ impl PolicyFactory {
     pub fn new(kind: PolicyKind, info: &DeviceInfo, opts: &PolicyOptions) -> Self {
         let mut pages = None;
         let mut spills = None;
+        let mut second = None;
         let make: Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync> = match kind {
             PolicyKind::Native => Box::new(|s| Box::new(segmented::Segmented::native(s))),
             PolicyKind::Caching => Box::new(|s| Box::new(segmented::Segmented::caching(s))),
@@ -430,25 +498,24 @@ impl PolicyFactory {
                 let shared = Arc::new(stitched::PagePool::new(info, opts));
                 pages = Some(shared.clone());
                 let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
-                if opts.range != RangeMode::Stream {
-                    let core = Arc::new(shared_range::CoreLock::new(
-                        shared_range::SharedCore::new(shared, va),
+                let (make, counted) = stitched_maker(shared.clone(), va, opts);
+                spills = counted;
+                if opts.big_page > info.page_bytes {
+                    let pool2 =
+                        Arc::new(stitched::PagePool::with_pages_of(info, opts, opts.big_page));
+                    let (make2, counted2) = stitched_maker(pool2.clone(), va, opts);
+                    let switch = Arc::new(tiered::TierSwitch::new(
+                        opts.big_after,
+                        opts.big_page,
+                        make2,
+                        shared,
                     ));
-                    let spill = opts.spill;
-                    let counted = Arc::new(shared_range::SpillCount::new(
-                        opts.range == RangeMode::Shared,
-                    ));
-                    spills = Some(counted.clone());
+                    second = Some((pool2, counted2, switch.clone()));
                     Box::new(move |s| {
-                        Box::new(shared_range::SharedStitched::new(
-                            s,
-                            core.clone(),
-                            spill,
-                            counted.clone(),
-                        ))
+                        Box::new(tiered::Tiered::new(s, make(s), switch.clone())) as Box<dyn Policy>
                     })
                 } else {
-                    Box::new(move |s| Box::new(stitched::Stitched::new(s, shared.clone(), va)))
+                    make
                 }
             }
         };
@@ -457,6 +524,7 @@ impl PolicyFactory {
             make,
             pages,
             spills,
+            second,
         }
     }
 
@@ -473,12 +541,30 @@ impl PolicyFactory {
         let spare = p.shared_spare_note();
         let joined = self.spills.as_ref().and_then(|s| s.joined_note());
         let spill = self.spills.as_ref().and_then(|s| s.note());
+        let tier = self.second.as_ref().and_then(|(_, _, t)| t.note());
+        let second: Vec<String> = self
+            .second
+            .as_ref()
+            .map(|(p, s, _)| {
+                let sp = s.as_ref();
+                p.trading_stopped()
+                    .map(|t| t.to_string())
+                    .into_iter()
+                    .chain(p.spare_raised().map(|r| r.to_string()))
+                    .chain(p.shared_spare_note())
+                    .chain(sp.and_then(|s| s.note()))
+                    .map(|n| format!("{n} (second tier)"))
+                    .collect()
+            })
+            .unwrap_or_default();
         trade
             .into_iter()
             .chain(remap)
             .chain(spare)
             .chain(joined)
             .chain(spill)
+            .chain(tier)
+            .chain(second)
             .collect()
     }
 
@@ -487,6 +573,9 @@ impl PolicyFactory {
     /// [`Policy::open_range_to_streams`] just before).
     pub fn streams_share_memory(&self) {
         if let Some(s) = self.spills.as_ref() {
+            s.share();
+        }
+        if let Some((_, Some(s), _)) = self.second.as_ref() {
             s.share();
         }
     }

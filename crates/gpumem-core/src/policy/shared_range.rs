@@ -1020,6 +1020,16 @@ impl Policy for SharedStitched {
         self.core.lock().check()
     }
 
+    fn holds(&self, addr: DevPtr) -> bool {
+        self.own.as_ref().is_some_and(|o| o.holds(addr))
+            || self
+                .core
+                .lock()
+                .range
+                .as_ref()
+                .is_some_and(|r| r.holds(addr))
+    }
+
     fn open_range_to_streams(&mut self) {
         if self.counted.together() {
             return; // `range:shared`: shared from the start (its own range is a spill's)

@@ -359,6 +359,9 @@ pub struct PagePool {
     trade_budget: f64,
     remap_budget: f64,
     shared_spare: f64,
+    /// Its pages are handles of `page` bytes made for it (`create_chunk`), not the device's
+    /// own pages: the second tier's larger pages (see [`PolicyOptions::big_page`]).
+    chunked: bool,
     /// Streams registered: marks are recorded only when there are several.
     streams: AtomicU64,
 }
@@ -413,7 +416,40 @@ impl PagePool {
             trade_budget: opts.trade_budget,
             remap_budget: opts.remap_budget,
             shared_spare: opts.shared_spare.max(0.0),
+            chunked: false,
             streams: AtomicU64::new(0),
+        }
+    }
+
+    /// A pool of `page`-byte pages made as handles of that size, for the second tier of
+    /// [`PolicyOptions::big_page`].
+    pub fn with_pages_of(info: &DeviceInfo, opts: &PolicyOptions, page: u64) -> Self {
+        let mut p = Self::new(info, opts);
+        p.page = page;
+        p.chunked = page != info.page_bytes;
+        p
+    }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> u64 {
+        self.page
+    }
+
+    /// A new page.
+    fn create(&self, d: &mut DeviceState) -> Result<PhysHandle, BackendError> {
+        if self.chunked {
+            d.create_chunk(self.page, Pool::Large)
+        } else {
+            d.create_page(Pool::Large)
+        }
+    }
+
+    /// Gives page `h` back to the device.
+    fn release(&self, d: &mut DeviceState, h: PhysHandle) -> Result<(), BackendError> {
+        if self.chunked {
+            d.release_chunk(h, self.page, Pool::Large)
+        } else {
+            d.release_page(h, Pool::Large)
         }
     }
 
@@ -648,13 +684,13 @@ impl PagePool {
         };
         for &v in &todo {
             let idle = idle_total(&all);
-            let reserve = d.reserve_unused() > 0;
+            let reserve = !self.chunked && d.reserve_unused() > 0;
             // A page only `shared_spare` allows: idle pages exist, nothing else asks for one.
             let spare = idle > 0 && p.held >= budget && p.held < spare_cap && !reserve;
             let want_new = idle == 0 || p.held < budget || reserve || spare;
             let mut slot = None;
             if want_new {
-                match d.create_page(Pool::Large) {
+                match self.create(&mut d) {
                     Ok(h) => {
                         let s = Self::new_slot(&mut p, &mut all, h, me);
                         created.push(s);
@@ -666,7 +702,7 @@ impl PagePool {
                     }
                     Err(e) if e.out_of_memory && idle_total(&all) > 0 => {}
                     Err(e) => {
-                        Self::undo(&mut p, &mut all, &taken, &created, &mut d);
+                        self.undo(&mut p, &mut all, &taken, &created, &mut d);
                         return Err(e);
                     }
                 }
@@ -717,7 +753,7 @@ impl PagePool {
             if let Some(since) = since {
                 let to = Wait::Device(clocks.stream(*acting));
                 if let Err(e) = clocks.settle_all(&mut d, self, since, to, Some(*acting)) {
-                    Self::undo(&mut p, &mut all, &taken, &created, &mut d);
+                    self.undo(&mut p, &mut all, &taken, &created, &mut d);
                     return Err(e);
                 }
             }
@@ -759,7 +795,7 @@ impl PagePool {
                     all.guards[m].map[v as usize] = NONE;
                 }
             }
-            Self::undo(&mut p, &mut all, &taken, &created, &mut d);
+            self.undo(&mut p, &mut all, &taken, &created, &mut d);
             return Err(e);
         }
         for &(s, prev) in &taken {
@@ -1027,6 +1063,7 @@ impl PagePool {
     /// to their owner's idle list. A new page the driver would not unmap or release stays as an
     /// idle page of its stream, so that a later trim tries again and nothing is lost.
     fn undo(
+        &self,
         p: &mut Pages,
         all: &mut AllLocals,
         taken: &[(u32, u32)],
@@ -1038,7 +1075,7 @@ impl PagePool {
         }
         for &s in created {
             let ph = p.phys[s as usize].as_ref().expect("created slot");
-            if !ph.aliases.is_empty() || d.release_page(ph.handle, Pool::Large).is_err() {
+            if !ph.aliases.is_empty() || self.release(d, ph.handle).is_err() {
                 all.guards[ph.owner as usize].idle.push_front(s);
                 continue;
             }
@@ -1136,6 +1173,93 @@ impl PagePool {
     }
 
     /// Unmaps and releases every idle physical page. Returns the bytes released.
+    /// Gives back the idle pages whose work is known done, without waiting: every virtual
+    /// page a page is mapped at went idle before an event of its range's stream that has
+    /// completed. Pages still in flight stay for a later call; pages of a range shared by
+    /// streams are left (their last users may be any of its streams). Returns the bytes given
+    /// back.
+    pub fn trim_done(&self, dev: &Device) -> Result<u64, BackendError> {
+        let mut p = self.inner.lock();
+        let shards = p.shards.clone();
+        let mut all = Self::lock_all(&shards);
+        let slots: Vec<u32> = all.guards.iter().flat_map(|l| l.idle.iter()).collect();
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        let mut d = dev.lock();
+        let mut known: Vec<(crate::backend::EventHandle, bool)> = Vec::new();
+        // Own ranges with idle pages that no event follows yet: one is recorded there, for a
+        // later call to find completed.
+        let mut unmarked: Vec<u32> = Vec::new();
+        let mut released = 0;
+        for s in slots {
+            let mut safe = true;
+            for &(sh, v) in &p.phys[s as usize].as_ref().expect("idle slot").aliases {
+                let l = &all.guards[sh as usize];
+                if !shards[sh as usize].lends.load(Ordering::Relaxed) {
+                    safe = false;
+                    break;
+                }
+                let Some(ev) = l.covering_event(l.vstamp[v as usize]) else {
+                    if !unmarked.contains(&sh) {
+                        unmarked.push(sh);
+                    }
+                    safe = false;
+                    break;
+                };
+                let done = match known.iter().find(|(e, _)| *e == ev) {
+                    Some(&(_, done)) => done,
+                    None => {
+                        let done = d.event_query(ev)?;
+                        known.push((ev, done));
+                        done
+                    }
+                };
+                if !done {
+                    safe = false;
+                    break;
+                }
+            }
+            if !safe {
+                continue;
+            }
+            while let Some(&(sh, v)) = p.phys[s as usize]
+                .as_ref()
+                .expect("idle slot")
+                .aliases
+                .last()
+            {
+                d.unmap(
+                    p.shards[sh as usize].base + v as u64 * self.page,
+                    self.page,
+                    1,
+                )?;
+                all.guards[sh as usize].map[v as usize] = NONE;
+                p.phys[s as usize]
+                    .as_mut()
+                    .expect("idle slot")
+                    .aliases
+                    .pop();
+            }
+            let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
+            self.release(&mut d, handle)?;
+            let ph = p.phys[s as usize].take().expect("idle slot");
+            let owner = &mut all.guards[ph.owner as usize].idle;
+            owner.remove(s);
+            owner.note_mut(s).foreign = false;
+            p.spare.push(s);
+            p.held -= 1;
+            released += self.page;
+        }
+        for sh in unmarked {
+            let epoch = self.next_epoch();
+            if let Ok(ev) = d.event_record(p.shards[sh as usize].stream) {
+                Self::push_event(&mut all.guards[sh as usize], epoch, ev, &mut d);
+            }
+        }
+        Ok(released)
+    }
+
     fn trim(&self, dev: &Device) -> Result<u64, BackendError> {
         let mut p = self.inner.lock();
         let shards = p.shards.clone();
@@ -1187,7 +1311,7 @@ impl PagePool {
                     .pop();
             }
             let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
-            d.release_page(handle, Pool::Large)?;
+            self.release(&mut d, handle)?;
             let ph = p.phys[s as usize].take().expect("idle slot");
             let owner = &mut all.guards[ph.owner as usize].idle;
             owner.remove(s);
@@ -1540,9 +1664,12 @@ impl Stitched {
     }
 
     fn init(&mut self, dev: &Device) -> Result<(), BackendError> {
-        let base = dev
-            .lock()
-            .address_reserve(self.va_bytes, self.stream, Pool::Large)?;
+        let base = dev.lock().address_reserve_aligned(
+            self.va_bytes,
+            self.stream,
+            Pool::Large,
+            1 << self.shift,
+        )?;
         self.base = base;
         let pages = self.va_bytes >> self.shift;
         self.touch = vec![0; pages as usize];
@@ -1696,6 +1823,10 @@ impl Policy for Stitched {
 
     fn name(&self) -> &'static str {
         "stitched"
+    }
+
+    fn holds(&self, addr: DevPtr) -> bool {
+        Stitched::holds(self, addr)
     }
 
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {

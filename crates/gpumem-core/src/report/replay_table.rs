@@ -145,7 +145,8 @@ fn growth_hint(r: &PolicyResult) -> Option<String> {
          all, {:.2} s in the first quarter of the trace): in a run, the steps that grow the \
          pool pay this as host time, about 50 µs per page on an H200, where PyTorch's \
          allocator grows by large cudaMalloc'ed segments. A pool this large stays within about \
-         1 % of live with larger pages: add `--conf page:16MiB` to compare (docs/stitched.md, \
+         1 % of live with larger pages: add `--conf page:16MiB` to compare, or `--conf \
+         big_page:16MiB` for larger pages only once the pool holds 4 GiB (docs/stitched.md, \
          \"What it costs when the pool grows\").\n",
         format_size(r.peak_held_bytes),
         created,

@@ -1,0 +1,178 @@
+//! `big_page`: once the device holds `big_after`, the stitched policy places every new block in
+//! a second pool of larger pages (docs/stitched.md, "What comes next"). These check that the
+//! blocks placed after the switch lie on the larger pages, mapped whole and aligned; that
+//! frees and misuse reach the tier that holds the block; that the first tier's idle pages go
+//! back so that the memory held stays near the live peak; that a pool under the threshold is
+//! untouched; and the bound on a recorded trace that switches.
+
+use gpumem_core::backend::sim::{SimBackend, SimConfig, SimControl};
+use gpumem_core::policy::PolicyKind;
+use gpumem_core::replay::{replay, ReplayOptions};
+use gpumem_core::trace;
+use gpumem_core::{Allocator, Config};
+use std::path::PathBuf;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn audited_sim(conf: &str, total: u64) -> (Allocator, SimControl) {
+    let (sim, ctl) = SimBackend::new(SimConfig {
+        total_bytes: total,
+        audit: true,
+        ..SimConfig::default()
+    });
+    (
+        Allocator::new(Box::new(sim), Config::parse(conf).unwrap()).unwrap(),
+        ctl,
+    )
+}
+
+/// Sizes of mappings now: (2 MiB mappings, 16 MiB mappings); panics on any other size or on a
+/// 16 MiB mapping not aligned to 16 MiB.
+fn mapping_sizes(ctl: &SimControl) -> (usize, usize) {
+    let (mut small, mut big) = (0, 0);
+    for (va, len, _) in ctl.mappings() {
+        match len {
+            l if l == 2 * MIB => small += 1,
+            l if l == 16 * MIB => {
+                assert_eq!(va % (16 * MIB), 0, "16 MiB page at {va:#x}");
+                big += 1;
+            }
+            l => panic!("a mapping of {l} bytes at {va:#x}"),
+        }
+    }
+    (small, big)
+}
+
+#[test]
+fn blocks_placed_after_the_switch_lie_on_the_larger_pages() {
+    let (a, ctl) = audited_sim("big_page:16MiB,big_after:64MiB", 16 * GIB);
+    // 40 blocks of 3 MiB: the device holds 64 MiB after about 21 of them.
+    let first: Vec<_> = (0..40).map(|_| a.allocate(3 * MIB, 1).unwrap()).collect();
+    let (small, big) = mapping_sizes(&ctl);
+    assert!(
+        (30..=40).contains(&small),
+        "the first tier's 2 MiB pages: {small}"
+    );
+    assert!(big >= 4, "the second tier's 16 MiB pages: {big}");
+    for al in &first {
+        for at in [al.ptr, al.ptr + al.size - 1] {
+            assert!(ctl.handle_at(at).is_some(), "{at:#x} is not mapped");
+        }
+    }
+    a.check().unwrap();
+    assert!(
+        a.policy_notes().iter().any(|n| n.contains("big_page")),
+        "{:?}",
+        a.policy_notes()
+    );
+    // The same working set again, after every first block is freed: it lands on the second
+    // tier's pages, and the first tier's idle pages go back to the device.
+    let peak_live = 40 * 3 * MIB;
+    for al in first {
+        a.free(al.ptr).unwrap();
+    }
+    let second: Vec<_> = (0..40).map(|_| a.allocate(3 * MIB, 1).unwrap()).collect();
+    a.check().unwrap();
+    let (small, big) = mapping_sizes(&ctl);
+    assert!(small <= 32, "first-tier pages left mapped: {small}");
+    assert!(big >= 8, "second tier: {big}");
+    // Live 120 MiB: held within 2 % of it, plus the rounding of a few pages.
+    assert!(
+        a.held_bytes() <= peak_live + peak_live / 50 + 48 * MIB,
+        "held {} MiB for {} MiB live",
+        a.held_bytes() / MIB,
+        peak_live / MIB
+    );
+    for al in second {
+        a.free(al.ptr).unwrap();
+    }
+    a.check().unwrap();
+}
+
+#[test]
+fn frees_and_misuse_reach_the_tier_that_holds_the_block() {
+    let (a, _ctl) = audited_sim("big_page:16MiB,big_after:32MiB", 16 * GIB);
+    let old: Vec<_> = (0..20).map(|_| a.allocate(3 * MIB, 1).unwrap()).collect();
+    let new: Vec<_> = (0..8).map(|_| a.allocate(5 * MIB, 1).unwrap()).collect();
+    // A block of each tier: freed once, refused the second time.
+    for al in [&old[0], &new[0]] {
+        a.free(al.ptr).unwrap();
+        let e = a.free(al.ptr).unwrap_err().to_string();
+        assert!(e.contains("double free"), "{e}");
+    }
+    // Inside a block of either tier, or far outside both: not a block of this allocator.
+    for p in [old[1].ptr + 4096, new[1].ptr + 4096, 0xdead_0000] {
+        assert!(a.free(p).is_err(), "{p:#x}");
+    }
+    for al in old.iter().skip(1).chain(new.iter().skip(1)) {
+        a.free(al.ptr).unwrap();
+    }
+    a.check().unwrap();
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+}
+
+#[test]
+fn a_pool_under_the_threshold_keeps_one_page_size() {
+    let (a, ctl) = audited_sim("big_page:16MiB", 16 * GIB);
+    let blocks: Vec<_> = (0..50)
+        .map(|i| a.allocate((1 + i % 7) * MIB, 1).unwrap())
+        .collect();
+    assert_eq!(mapping_sizes(&ctl).1, 0, "no 16 MiB page under 4 GiB held");
+    assert!(!a.policy_notes().iter().any(|n| n.contains("big_page")));
+    for al in blocks {
+        a.free(al.ptr).unwrap();
+    }
+}
+
+#[test]
+fn a_recorded_trace_that_switches_stays_within_the_bound_for_fewer_calls() {
+    // unet_res holds 9.9 GiB: it switches at 4 GiB. The bundled GPT-style trace (1.2 GiB)
+    // never does and replays exactly as without the setting.
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../traces");
+    let run = |name: &str, conf: &str| {
+        let p = dir.join(name);
+        let t = trace::load(&p, 0, None).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        let opts = ReplayOptions {
+            config: Config::parse(conf).unwrap(),
+            ..ReplayOptions::default()
+        };
+        replay(&t, PolicyKind::Stitched, &opts, None).unwrap()
+    };
+    let plain = run("validation/unet_res.pickle.gz", "");
+    let tiers = run("validation/unet_res.pickle.gz", "big_page:16MiB");
+    assert_eq!(tiers.ooms, 0);
+    assert!(tiers.ratio <= 1.02, "unet_res: {:.4} of live", tiers.ratio);
+    assert!(
+        tiers.est_driver_seconds < 0.7 * plain.est_driver_seconds,
+        "driver time {:.3} s against {:.3} s",
+        tiers.est_driver_seconds,
+        plain.est_driver_seconds
+    );
+    assert!(tiers.notes.iter().any(|n| n.contains("big_page")));
+    let small_plain = run("gpt_varlen.pickle.gz", "");
+    let small_tiers = run("gpt_varlen.pickle.gz", "big_page:16MiB");
+    assert_eq!(small_plain.peak_held_bytes, small_tiers.peak_held_bytes);
+    assert_eq!(small_plain.driver_calls, small_tiers.driver_calls);
+}
+
+#[test]
+fn bad_settings_are_refused_with_a_reason() {
+    for (conf, key) in [
+        ("big_page:3MiB", "big_page"),
+        ("big_page:lots", "big_page"),
+        ("big_page:2GiB", "big_page"),
+        ("big_after:soon", "big_after"),
+    ] {
+        let e = Config::parse(conf).unwrap_err().to_string();
+        assert!(e.contains(key), "{conf}: {e}");
+    }
+    assert_eq!(Config::parse("big_page:off").unwrap().options.big_page, 0);
+    assert_eq!(
+        Config::parse("big_page:16MiB,big_after:1GiB")
+            .unwrap()
+            .options
+            .big_after,
+        GIB
+    );
+}
