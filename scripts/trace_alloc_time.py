@@ -107,20 +107,12 @@ def ops_from_snapshot(snap, device=0):
 
 
 def build_extension(build_dir):
-    from torch.utils.cpp_extension import load
+    """bench_torch_alloc.py's extension (the same source holds gpumem_torch_run_trace), with
+    the trace function's signature declared."""
+    sys.path.insert(0, HERE)
+    from bench_torch_alloc import build_extension as build_allocbench
 
-    os.makedirs(build_dir, exist_ok=True)
-    path = load(
-        name="gpumem_torch_allocbench",
-        sources=[os.path.join(HERE, "allocbench", "torch_allocbench.cpp")],
-        extra_include_paths=[os.path.join(HERE, "allocbench")],
-        extra_cflags=["-O2"],
-        with_cuda=True,
-        is_python_module=False,
-        build_directory=build_dir,
-        verbose=False,
-    )
-    lib = ctypes.CDLL(path)
+    lib = build_allocbench(build_dir)
     lib.gpumem_torch_run_trace.restype = ctypes.c_double
     lib.gpumem_torch_run_trace.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,

@@ -1223,32 +1223,7 @@ impl PagePool {
             if !safe {
                 continue;
             }
-            while let Some(&(sh, v)) = p.phys[s as usize]
-                .as_ref()
-                .expect("idle slot")
-                .aliases
-                .last()
-            {
-                d.unmap(
-                    p.shards[sh as usize].base + v as u64 * self.page,
-                    self.page,
-                    1,
-                )?;
-                all.guards[sh as usize].map[v as usize] = NONE;
-                p.phys[s as usize]
-                    .as_mut()
-                    .expect("idle slot")
-                    .aliases
-                    .pop();
-            }
-            let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
-            self.release(&mut d, handle)?;
-            let ph = p.phys[s as usize].take().expect("idle slot");
-            let owner = &mut all.guards[ph.owner as usize].idle;
-            owner.remove(s);
-            owner.note_mut(s).foreign = false;
-            p.spare.push(s);
-            p.held -= 1;
+            self.give_back(&mut p, &mut all, &mut d, s)?;
             released += self.page;
         }
         for sh in unmarked {
@@ -1290,38 +1265,51 @@ impl PagePool {
         }
         let mut released = 0;
         for s in slots {
-            // Each alias is forgotten only once unmapped, and the page only once released: a
-            // refused call leaves the page idle and mapped where it still is, for a later trim.
-            while let Some(&(sh, v)) = p.phys[s as usize]
-                .as_ref()
-                .expect("idle slot")
-                .aliases
-                .last()
-            {
-                d.unmap(
-                    p.shards[sh as usize].base + v as u64 * self.page,
-                    self.page,
-                    1,
-                )?;
-                all.guards[sh as usize].map[v as usize] = NONE;
-                p.phys[s as usize]
-                    .as_mut()
-                    .expect("idle slot")
-                    .aliases
-                    .pop();
-            }
-            let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
-            self.release(&mut d, handle)?;
-            let ph = p.phys[s as usize].take().expect("idle slot");
-            let owner = &mut all.guards[ph.owner as usize].idle;
-            owner.remove(s);
-            owner.note_mut(s).foreign = false; // the slot number may be reused for a new page
-            p.spare.push(s);
-            p.held -= 1;
+            self.give_back(&mut p, &mut all, &mut d, s)?;
             released += self.page;
         }
         drop(all);
         Ok(released)
+    }
+
+    /// Gives idle page `s` back to the device: unmaps it wherever it is mapped, releases it,
+    /// and files its slot as spare. Each alias is forgotten only once unmapped, and the page
+    /// only once released: a refused call leaves the page idle and mapped where it still is,
+    /// for a later trim.
+    fn give_back(
+        &self,
+        p: &mut Pages,
+        all: &mut AllLocals,
+        d: &mut DeviceState,
+        s: u32,
+    ) -> Result<(), BackendError> {
+        while let Some(&(sh, v)) = p.phys[s as usize]
+            .as_ref()
+            .expect("idle slot")
+            .aliases
+            .last()
+        {
+            d.unmap(
+                p.shards[sh as usize].base + v as u64 * self.page,
+                self.page,
+                1,
+            )?;
+            all.guards[sh as usize].map[v as usize] = NONE;
+            p.phys[s as usize]
+                .as_mut()
+                .expect("idle slot")
+                .aliases
+                .pop();
+        }
+        let handle = p.phys[s as usize].as_ref().expect("idle slot").handle;
+        self.release(d, handle)?;
+        let ph = p.phys[s as usize].take().expect("idle slot");
+        let owner = &mut all.guards[ph.owner as usize].idle;
+        owner.remove(s);
+        owner.note_mut(s).foreign = false; // the slot number may be reused for a new page
+        p.spare.push(s);
+        p.held -= 1;
+        Ok(())
     }
 
     /// Checks shard `me`'s view: every touched virtual page maps to a page it owns and does

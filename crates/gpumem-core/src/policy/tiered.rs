@@ -134,6 +134,12 @@ impl Tiered {
         }
     }
 
+    /// A free of `size` bytes (None: no such block) reached the first tier, or the second.
+    fn freed(&mut self, first: bool, size: Option<u64>) {
+        self.first_idle |= first && size.is_some();
+        self.live = self.live.saturating_sub(size.unwrap_or(0));
+    }
+
     fn tier_ref(&self, addr: DevPtr) -> &dyn Policy {
         match self.second.as_ref() {
             Some(s) if s.holds(addr) => s.as_ref(),
@@ -197,8 +203,7 @@ impl Policy for Tiered {
     fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64> {
         let (t, first) = self.tier(addr);
         let size = t.free_requested(addr, dev);
-        self.first_idle |= first && size.is_some();
-        self.live = self.live.saturating_sub(size.unwrap_or(0));
+        self.freed(first, size);
         size
     }
 
@@ -209,8 +214,7 @@ impl Policy for Tiered {
     fn free(&mut self, addr: DevPtr, dev: &Device) -> Result<Option<u64>, BackendError> {
         let (t, first) = self.tier(addr);
         let size = t.free(addr, dev)?;
-        self.first_idle |= first && size.is_some();
-        self.live = self.live.saturating_sub(size.unwrap_or(0));
+        self.freed(first, size);
         Ok(size)
     }
 
@@ -222,8 +226,7 @@ impl Policy for Tiered {
     ) -> Result<Option<u64>, BackendError> {
         let (t, first) = self.tier(addr);
         let size = t.free_handle(handle, addr, dev)?;
-        self.first_idle |= first && size.is_some();
-        self.live = self.live.saturating_sub(size.unwrap_or(0));
+        self.freed(first, size);
         Ok(size)
     }
 
