@@ -10,8 +10,8 @@
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
 //! | `shared_spare` | 0..1 | stitched, several streams in one range: pages made rather than remapped while the pages held stay within this share of the range's live peak (default 0.015) |
 //! | `page` | bytes, a power of two (`16MiB`) | stitched: the physical page (one handle each), a multiple of the device's granularity (2 MiB): kernels stream faster over larger ones, blocks hold whole pages |
-//! | `big_page` | bytes, a power of two (`16MiB`), or `off` | stitched: once the device holds `big_after`, new blocks go to a second pool whose pages are this size (a large pool grows for a fraction of the driver calls; the blocks placed before stay on the first pages) |
-//! | `big_after` | bytes (default `4GiB`) | stitched: bytes held from which `big_page` applies |
+//! | `big_page` | bytes, a power of two (default `16MiB`), or `off` | stitched: once the pool holds `big_after`, new blocks go to a second pool whose pages are this size (a large pool grows for a fraction of the driver calls; the blocks placed before stay on the first pages, which still take blocks that fit where their pages are mapped) |
+//! | `big_after` | bytes (default `8GiB`) | stitched: bytes held from which `big_page` applies |
 //! | `va_factor` | integer ≥ 1 | stitched: virtual space per stream, in device sizes |
 //! | `stream_pages` | shared, own | stitched: pages held up to the highest total in use (shared), or up to the sum of each stream's own peak (own: fewer remaps with many streams, more memory) |
 //! | `range` | auto, stream, shared | stitched: one virtual range per stream, or one range shared by the device's streams, with blocks and pages handed between them through events (less memory with several streams, one placement lock for all); auto (default): the first stream's range alone until a second stream allocates, then that range shared by all |

@@ -233,6 +233,54 @@ impl MemoryStats {
         self.num_sync_all_streams += other.num_sync_all_streams;
     }
 
+    /// Raises the block statistics' peaks of `self` to the current values of `now`: the peaks
+    /// of a sum of parts (the two tiers of one stream), kept by what sees every change of it.
+    pub fn track_peaks(&mut self, now: &MemoryStats) {
+        for (mine, theirs) in self.block_arrays_mut().into_iter().zip(now.block_arrays()) {
+            for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
+                m.peak = m.peak.max(t.current);
+            }
+        }
+    }
+
+    /// Takes the block statistics' peaks from `tracked` (see [`MemoryStats::track_peaks`]) in
+    /// place of the summed ones, never below the current value.
+    pub fn use_peaks(&mut self, tracked: &MemoryStats) {
+        for (mine, theirs) in self
+            .block_arrays_mut()
+            .into_iter()
+            .zip(tracked.block_arrays())
+        {
+            for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
+                m.peak = t.peak.max(m.current);
+            }
+        }
+    }
+
+    fn block_arrays(&self) -> [&StatArray; 7] {
+        [
+            &self.allocation,
+            &self.active,
+            &self.inactive_split,
+            &self.allocated_bytes,
+            &self.active_bytes,
+            &self.inactive_split_bytes,
+            &self.requested_bytes,
+        ]
+    }
+
+    fn block_arrays_mut(&mut self) -> [&mut StatArray; 7] {
+        [
+            &mut self.allocation,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
     /// Sets every peak to the current value (`torch.cuda.reset_peak_memory_stats`).
     pub fn reset_peaks(&mut self) {
         for arr in self.arrays_mut() {

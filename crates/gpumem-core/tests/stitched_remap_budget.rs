@@ -142,8 +142,14 @@ fn remapping_within_the_budget_changes_nothing() {
 /// the calls and memory are those without the budget. (Without the growth rule, this raises.)
 #[test]
 fn a_growing_pool_buys_no_spare_pages() {
-    let on = churn("policy:stitched", 3, 150_000, Some(20));
-    let off = churn("policy:stitched,remap_budget:off", 3, 150_000, Some(20));
+    // One page size: the warm-up's growth passes 8 GiB, where the second tier would take over.
+    let on = churn("policy:stitched,big_page:off", 3, 150_000, Some(20));
+    let off = churn(
+        "policy:stitched,big_page:off,remap_budget:off",
+        3,
+        150_000,
+        Some(20),
+    );
     assert!(
         on.alloc.policy_notes().is_empty(),
         "{:?}",

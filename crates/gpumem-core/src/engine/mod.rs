@@ -40,6 +40,9 @@ struct Pending {
 
 struct ShardState {
     policy: Box<dyn crate::policy::Policy>,
+    /// With `big_page`, while `policy` is the first tier's instance alone: the switch to the
+    /// second tier (see `Engine::enter_tiers`).
+    first_tier: Option<Arc<crate::policy::tiered::TierSwitch>>,
     /// Other streams each live block was used on (only blocks with such uses appear).
     uses: FxHashMap<DevPtr, Vec<Stream>>,
     /// Freed blocks waiting for events.
@@ -68,6 +71,8 @@ struct Shard {
 pub struct Allocator {
     device: Arc<Device>,
     factory: PolicyFactory,
+    /// With `big_page`: the switch to the second tier.
+    tiers: Option<Arc<crate::policy::tiered::TierSwitch>>,
     shards: StreamTable<Shard>,
     tracker: Option<Mutex<Tracker>>,
     config: Config,
@@ -133,6 +138,7 @@ impl Allocator {
         }
         Ok(Self {
             device,
+            tiers: factory.tiers(),
             factory,
             shards: StreamTable::new(),
             tracker,
@@ -199,6 +205,7 @@ impl Allocator {
                     stream,
                     state: ShardLock::new(ShardState {
                         policy: self.factory.make(stream),
+                        first_tier: self.tiers.clone(),
                         uses: FxHashMap::default(),
                         pending: Vec::new(),
                         retries: 0,
@@ -268,11 +275,45 @@ impl Allocator {
         if !st.pending.is_empty() {
             self.poll_events(&mut st, shard.stream, false)?;
         }
-        let r = st.policy.allocate(size, &self.device);
+        let mut r = st.policy.allocate(size, &self.device);
+        if let Some(sw) = st.first_tier.as_ref() {
+            if sw.due() {
+                Self::enter_tiers(&mut st, shard.stream, &mut r, size, &self.device);
+            }
+        }
         if retry {
             st.retries += 1;
         }
         Ok(r)
+    }
+
+    /// The switch to the second tier happened (`big_page`): from now on the shard's instance
+    /// is wrapped in the tiers. Before, the first tier's instance serves the stream directly,
+    /// so that a program that never holds `big_after` pays for the tiers one check of the
+    /// bytes held per allocation. A stream that had not allocated since another one switched
+    /// may have been refused by the first tier, which maps no page any more: `r` is then the
+    /// tiers' answer.
+    #[cold]
+    #[inline(never)]
+    fn enter_tiers(
+        st: &mut ShardState,
+        stream: Stream,
+        r: &mut Result<Placement, BackendError>,
+        size: u64,
+        dev: &Device,
+    ) {
+        let Some(sw) = st.first_tier.take() else {
+            return;
+        };
+        // An empty policy holds the place for the instant of the move.
+        let first = std::mem::replace(
+            &mut st.policy,
+            Box::new(crate::policy::segmented::Segmented::caching(stream)),
+        );
+        st.policy = sw.wrap(stream, first);
+        if matches!(r, Err(e) if e.out_of_memory) {
+            *r = st.policy.allocate(size, dev);
+        }
     }
 
     /// The allocation for placement `p`, tracked.

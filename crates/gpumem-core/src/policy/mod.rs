@@ -337,7 +337,8 @@ pub struct PolicyOptions {
     /// Stitched: once the device holds [`PolicyOptions::big_after`] bytes, every block placed
     /// from then on goes to a second pool whose pages are this many bytes (see
     /// [`tiered`]); 0: off. The driver's cost is per handle, so a large pool grows for a
-    /// fraction of the time; the blocks placed before stay on 2 MiB pages.
+    /// fraction of the time; the blocks placed before stay on 2 MiB pages. Default
+    /// [`BIG_PAGE`].
     pub big_page: u64,
     /// Stitched: bytes held from which [`PolicyOptions::big_page`] applies.
     pub big_after: u64,
@@ -396,10 +397,17 @@ pub const REMAP_WINDOWS_IN_A_ROW: u32 = 3;
 /// adds this times the share of the time remapping took: 9 % when it took 90 %.
 pub const REMAP_SLACK_MAX: f64 = 0.1;
 
-/// Default of [`PolicyOptions::big_after`]: the recorded traces that hold this much or more
-/// stay within 1.009 of live with 16 MiB pages, the smaller ones do not (BENCHMARKS.md §1,
-/// session 25).
-pub const BIG_AFTER: u64 = 4 << 30;
+/// Default of [`PolicyOptions::big_page`]: 16 MiB handles cost the driver an eighth of the
+/// calls of 2 MiB ones for the same growth, and the GPU streams them at 0.96-0.97 of
+/// cudaMalloc's bandwidth against 0.73-0.80 (BENCHMARKS.md §3, session 25).
+pub const BIG_PAGE: u64 = 16 << 20;
+
+/// Default of [`PolicyOptions::big_after`]. Pools that stop between 4 and 8 GiB (ResNet-50 at
+/// 5.6 GiB, the Llama decoder at 4.0 GiB) grew in their first steps, so larger pages save them
+/// nothing, while moving their blocks to the second tier costs 25-40 ms of driver calls and
+/// 0.3-0.5 % of live; a pool that keeps growing past 8 GiB (GPT-2 with random lengths, 23 GiB)
+/// has its later growth cut as much as from 4 GiB (BENCHMARKS.md §1 and §3, session 28).
+pub const BIG_AFTER: u64 = 8 << 30;
 
 /// Default of [`PolicyOptions::shared_spare`].
 pub const SHARED_SPARE: f64 = 0.015;
@@ -420,7 +428,7 @@ impl Default for PolicyOptions {
             trade_budget: 0.1,
             remap_budget: 0.2,
             shared_spare: SHARED_SPARE,
-            big_page: 0,
+            big_page: BIG_PAGE,
             big_after: BIG_AFTER,
         }
     }
@@ -509,11 +517,12 @@ impl PolicyFactory {
                         opts.big_page,
                         make2,
                         shared,
+                        pool2.clone(),
                     ));
-                    second = Some((pool2, counted2, switch.clone()));
-                    Box::new(move |s| {
-                        Box::new(tiered::Tiered::new(s, make(s), switch.clone())) as Box<dyn Policy>
-                    })
+                    second = Some((pool2, counted2, switch));
+                    // The streams start on the first tier alone; the engine wraps a stream's
+                    // instance in the tiers once the switch happened (`tiers`).
+                    make
                 } else {
                     make
                 }
@@ -588,5 +597,10 @@ impl PolicyFactory {
     /// A fresh instance for `stream`.
     pub fn make(&self, stream: Stream) -> Box<dyn Policy> {
         (self.make)(stream)
+    }
+
+    /// With `big_page`: the switch to the second tier, shared by the streams.
+    pub fn tiers(&self) -> Option<Arc<tiered::TierSwitch>> {
+        self.second.as_ref().map(|(_, _, sw)| sw.clone())
     }
 }

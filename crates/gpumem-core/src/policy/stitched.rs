@@ -364,6 +364,12 @@ pub struct PagePool {
     chunked: bool,
     /// Streams registered: marks are recorded only when there are several.
     streams: AtomicU64,
+    /// Maps no page any more (see [`PagePool::close`]).
+    closed: AtomicBool,
+    /// Pages the pool may hold whatever its own peak (see [`PagePool::allow`]).
+    floor: AtomicU64,
+    /// `Pages::held`, readable without the lock.
+    held_pages: AtomicU64,
 }
 
 /// Counters of the page pool, for reports.
@@ -418,7 +424,30 @@ impl PagePool {
             shared_spare: opts.shared_spare.max(0.0),
             chunked: false,
             streams: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+            floor: AtomicU64::new(0),
+            held_pages: AtomicU64::new(0),
         }
+    }
+
+    /// Lets the pool make pages up to `pages` held even where its own peak of pages in use is
+    /// lower (never lowers an earlier allowance): the second tier's, which takes over the
+    /// blocks of the first. Without it the second tier, whose own peak is low while the
+    /// blocks move over, remaps its idle pages with a host wait each instead of making new
+    /// ones: the Llama decoder, whose pool stops at the 4 GiB threshold, waited 1,346 times
+    /// against 52 (BENCHMARKS.md §1, session 28).
+    pub fn allow(&self, pages: u64) {
+        self.floor.fetch_max(pages, Ordering::Relaxed);
+    }
+
+    /// From now on the pool maps no page: it takes a block only where the block's pages are
+    /// still mapped and idle in place (the fast path of `PagePool::claim`); any other block
+    /// is refused as out of memory before anything changes, so that the tier above places it
+    /// on another pool (see `policy/tiered.rs`). Remapping its idle pages instead would take
+    /// a host wait for each (their stream's work must be done), and the blocks it would
+    /// place differ from step to step: GPT-2 kept remapping, 20 waits per quarter of the run.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
     }
 
     /// A pool of `page`-byte pages made as handles of that size, for the second tier of
@@ -433,6 +462,12 @@ impl PagePool {
     /// Bytes of one page.
     pub fn page_bytes(&self) -> u64 {
         self.page
+    }
+
+    /// Bytes of the pages held, without taking the pool's lock (a slow path may be changing
+    /// it: the count as of its last change).
+    pub fn held_bytes(&self) -> u64 {
+        self.held_pages.load(Ordering::Relaxed) * self.page
     }
 
     /// A new page.
@@ -528,6 +563,18 @@ impl PagePool {
         order: &mut Order,
     ) -> Result<(), BackendError> {
         let ClaimScratch { need, fast, moved } = scratch;
+        if !need.is_empty() && self.closed.load(Ordering::Relaxed) {
+            for &slot in fast.iter() {
+                l.idle.push_front(slot);
+            }
+            return Err(BackendError::oom(
+                DriverCall::MemMap,
+                format!(
+                    "the pool maps no more pages: {} of the block's pages are not idle in place",
+                    need.len()
+                ),
+            ));
+        }
         if let Order::Shared {
             clocks,
             me: acting,
@@ -639,7 +686,8 @@ impl PagePool {
             peaks.max().unwrap_or(0)
         }
         .max(p.peak_seen);
-        let budget = ((1.0 + self.slack + p.raised.added) * peak as f64).ceil() as u64;
+        let budget = (((1.0 + self.slack + p.raised.added) * peak as f64).ceil() as u64)
+            .max(self.floor.load(Ordering::Relaxed));
         // Several streams in one range interleave differently from one step to the next, so
         // their layouts do not repeat as a single stream's do: a page is made rather than
         // remapped while the pages held stay within `shared_spare` of the live peak.
@@ -662,6 +710,12 @@ impl PagePool {
         let mut todo: Vec<u32> = Vec::new();
         // Idle pages this shard may take: its own, and those of shards that lend.
         let may_take = |i: usize| i == m || shards[i].lends.load(Ordering::Relaxed);
+        let idle_total = |all: &AllLocals| {
+            (0..all.guards.len())
+                .filter(|&i| may_take(i))
+                .map(|i| all.guards[i].idle.len())
+                .sum::<usize>()
+        };
         for &v in need {
             let slot = all.guards[m].map[v as usize];
             if slot != NONE {
@@ -676,12 +730,6 @@ impl PagePool {
             }
             todo.push(v);
         }
-        let idle_total = |all: &AllLocals| {
-            (0..all.guards.len())
-                .filter(|&i| may_take(i))
-                .map(|i| all.guards[i].idle.len())
-                .sum::<usize>()
-        };
         for &v in &todo {
             let idle = idle_total(&all);
             let reserve = !self.chunked && d.reserve_unused() > 0;
@@ -693,6 +741,7 @@ impl PagePool {
                 match self.create(&mut d) {
                     Ok(h) => {
                         let s = Self::new_slot(&mut p, &mut all, h, me);
+                        self.held_pages.store(p.held, Ordering::Relaxed);
                         created.push(s);
                         p.created += 1;
                         if spare {
@@ -1083,6 +1132,7 @@ impl PagePool {
             p.spare.push(s);
             p.held -= 1;
         }
+        self.held_pages.store(p.held, Ordering::Relaxed);
     }
 
     /// Files a new physical page in a free slot; every stream's per-slot arrays are made to
@@ -1309,6 +1359,7 @@ impl PagePool {
         owner.note_mut(s).foreign = false; // the slot number may be reused for a new page
         p.spare.push(s);
         p.held -= 1;
+        self.held_pages.store(p.held, Ordering::Relaxed);
         Ok(())
     }
 

@@ -1,20 +1,25 @@
-//! The stitched policy in two tiers (`big_page`): the device's 2 MiB pages until the device
-//! holds `big_after` bytes, then larger pages for every block placed from then on.
+//! The stitched policy in two tiers (`big_page`, on by default): the device's 2 MiB pages until
+//! the pool holds `big_after` bytes (8 GiB), then 16 MiB pages for the blocks placed from then
+//! on.
 //!
 //! Why: the driver charges each physical handle about 50 µs to create, map and set access on an
 //! H200 whatever its size, so a pool of tens of GiB grown in 2 MiB pages pays for growth in
 //! every step that meets a larger shape (BENCHMARKS.md §3, session 27), while 16 MiB pages cost
 //! a small program's memory (a block holds whole pages: up to 1.10 of live on the small
 //! traces, 1.003–1.009 on those of 4–24 GiB; §1, session 25). The tiers are two stitched pools
-//! with ranges of their own; once the second takes over, the first keeps the blocks it holds
-//! and takes no new ones. Its idle pages go back to the device once their work is known done
-//! (an event query, no wait), and at once, waiting for that work, only when the memory held
-//! would pass the live peak by half a percent: so the memory held stays at what is in use.
+//! with ranges of their own. Once the second takes over, the first maps no page any more: it
+//! keeps the blocks it holds, and takes a new one only where the block's pages are still
+//! mapped and idle in place (no driver call). Every other block goes to the second tier. The
+//! first tier's idle pages go back to the device once their work is known done (an event
+//! query, no wait), and at once, waiting for that work, only when the memory held would pass
+//! the live peak by half a percent; after such a wait the stream places nothing more in the
+//! first tier. So the memory held stays at what is in use, and a pool that stops near the
+//! threshold keeps its blocks where they are instead of moving them over.
 //!
-//! Off by default (`big_page:off`). Replayed (BENCHMARKS.md §1, session 27): GPT-2 grows for a
-//! third of the driver time, with fewer host waits, at 1.003–1.007 of live; but a pool that
-//! stops at the threshold keeps moving blocks' pages from tier to tier (the Llama decoder at
-//! 4 GiB: 1,203 host waits against 52), which is why it is not the default.
+//! Replayed (BENCHMARKS.md §1, session 28): GPT-2's growth costs 0.29 s of driver time against
+//! 0.49 s, at 1.005 of live against 1.001; pools under 8 GiB are untouched. On the H200, the
+//! 64 timed steps of GPT-2 with random lengths spent 19–25 ms in driver calls after the third
+//! step against 142–169 ms (§3, session 28).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -42,12 +47,22 @@ pub struct TierSwitch {
     second: MakePolicy,
     /// The first tier's pages: how many are idle.
     first_pool: Arc<PagePool>,
+    /// The second tier's pages.
+    second_pool: Arc<PagePool>,
+    /// Bytes the first tier held at its last give-back (or at the switch).
+    first_held: AtomicU64,
 }
 
 impl TierSwitch {
     /// A switch at `after` bytes held from the first tier's `first_pool` to second-tier
-    /// instances made by `second`, whose pages are `big_page` bytes.
-    pub fn new(after: u64, big_page: u64, second: MakePolicy, first_pool: Arc<PagePool>) -> Self {
+    /// instances made by `second`, drawing pages of `big_page` bytes from `second_pool`.
+    pub fn new(
+        after: u64,
+        big_page: u64,
+        second: MakePolicy,
+        first_pool: Arc<PagePool>,
+        second_pool: Arc<PagePool>,
+    ) -> Self {
         Self {
             after,
             switched: AtomicBool::new(false),
@@ -55,7 +70,41 @@ impl TierSwitch {
             big_page,
             second,
             first_pool,
+            second_pool,
+            first_held: AtomicU64::new(0),
         }
+    }
+
+    /// After an allocation on the first tier alone: whether new blocks go to the second tier
+    /// now (the first time the first tier holds `big_after`, the switch happens).
+    #[inline]
+    pub fn due(&self) -> bool {
+        self.switched.load(Ordering::Relaxed)
+            || (self.first_pool.held_bytes() >= self.after && self.switch_now())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn switch_now(&self) -> bool {
+        if !self.switched.swap(true, Ordering::Relaxed) {
+            let held = self.first_pool.held_bytes();
+            self.held_at_switch.store(held, Ordering::Relaxed);
+            self.first_pool.close();
+            self.note_first_held();
+        }
+        true
+    }
+
+    /// The instance of `stream` in two tiers, over its first-tier instance `first`.
+    pub fn wrap(self: &Arc<Self>, stream: Stream, first: Box<dyn Policy>) -> Box<dyn Policy> {
+        Box::new(Tiered::new(stream, first, self.clone()))
+    }
+
+    /// Reads the bytes the first tier holds (after the switch, or a give-back: it makes no
+    /// page after the switch, so they change only then).
+    fn note_first_held(&self) {
+        let held = self.first_pool.held_bytes();
+        self.first_held.store(held, Ordering::Relaxed);
     }
 
     /// Bytes of the first tier's idle pages.
@@ -69,9 +118,9 @@ impl TierSwitch {
         let held = self.held_at_switch.load(Ordering::Relaxed);
         (held > 0).then(|| {
             format!(
-                "stitched: the device held {} when new blocks went to pages of {} (big_page, \
-                 from big_after {}); the blocks placed before stay on the first pages, which go \
-                 back to the device as they go idle",
+                "stitched: the pool held {} when new blocks went to pages of {} (big_page, \
+                 from big_after {}); the first pages keep their blocks and take new ones only \
+                 where their pages are still mapped, and go back to the device as they go idle",
                 crate::units::format_size(held),
                 crate::units::format_size(self.big_page),
                 crate::units::format_size(self.after),
@@ -108,20 +157,34 @@ pub struct Tiered {
     /// Bytes of this stream's live blocks, and their peak.
     live: u64,
     live_peak: u64,
+    /// Pages this stream last let the second tier make whatever its own peak.
+    allowed: u64,
+    /// The first tier's idle pages had to go back with a wait: it takes no new block.
+    sealed: bool,
+    /// With two tiers: the peaks of their summed block statistics.
+    peaks: MemoryStats,
 }
 
 impl Tiered {
-    /// The instance of `stream` with first-tier policy `first`.
+    /// The instance of `stream` once the switch happened, over its first-tier instance
+    /// `first`: it counts the stream's live bytes from what that one holds, and takes it that
+    /// blocks of the first tier may have been freed.
     pub fn new(stream: Stream, first: Box<dyn Policy>, switch: Arc<TierSwitch>) -> Self {
+        let st = first.stats();
+        let live = st.allocated_bytes.all.current.max(0) as u64;
+        let live_peak = st.allocated_bytes.all.peak.max(0) as u64;
         Self {
             stream,
             first,
             second: None,
             switch,
-            first_idle: false,
+            first_idle: true,
             since_try: 0,
-            live: 0,
-            live_peak: 0,
+            live,
+            live_peak,
+            allowed: 0,
+            sealed: false,
+            peaks: MemoryStats::default(),
         }
     }
 
@@ -140,6 +203,101 @@ impl Tiered {
         self.live = self.live.saturating_sub(size.unwrap_or(0));
     }
 
+    /// [`Policy::allocate`]: the first tier where the block's pages are mapped in place, else
+    /// the second.
+    fn allocate_two(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
+        if !self.sealed {
+            // A block whose pages the first tier still has mapped and idle in place goes
+            // there: no driver call, and a pool that stops near the threshold keeps most of
+            // its blocks where they were (the Llama decoder with big_after:4GiB: 64 host
+            // waits against 1,203 when every new block went to the second tier, and 52 in
+            // one tier). The first tier maps no page any more, so anything else is refused.
+            match self.first.allocate(size, dev) {
+                Ok(placed) => {
+                    self.live += placed.size;
+                    self.live_peak = self.live_peak.max(self.live);
+                    self.track_peaks();
+                    return Ok(placed);
+                }
+                Err(e) if e.out_of_memory => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.since_try += 1;
+        let held = if self.first_idle {
+            self.switch.first_pool.held_bytes() + self.switch.second_pool.held_bytes()
+        } else {
+            0
+        };
+        let bound = (self.live_peak.max(self.live + size)) as f64 * (1.0 + OVER);
+        // The second tier may grow past the bound while the first still holds idle pages.
+        let over = self.first_idle && (held + size) as f64 > bound;
+        if self.first_idle && (over || self.since_try >= TRY_EVERY) {
+            // Blocks of the first tier were freed: once its idle pages add up they go back,
+            // those whose work is done; the others at a later try, or at once (waiting for
+            // their work) when the second tier would grow past the bound.
+            self.since_try = 0;
+            let limit = (held / TRIM_SHARE).max(TRIM_MIN);
+            if self.switch.first_idle_bytes() < limit {
+                self.first_idle = false;
+            } else {
+                self.switch.first_pool.trim_done(dev)?;
+                if over && self.switch.first_idle_bytes() >= limit {
+                    self.first.release_cached(dev)?;
+                    // The first tier's reuse in place now costs host waits: blocks it takes
+                    // go idle again and must go back the same way at the next step (GPT-2
+                    // training with every wait counted: 600-1,000 calls a quarter, never
+                    // settling). From now on this stream places new blocks in the second.
+                    self.sealed = true;
+                }
+                self.first_idle = self.switch.first_idle_bytes() >= limit;
+            }
+            self.switch.note_first_held();
+        }
+        // The second tier may make pages up to the bound less what the first still holds.
+        let allowed = (bound as u64).saturating_sub(self.switch.first_held.load(Ordering::Relaxed))
+            / self.switch.big_page;
+        if allowed > self.allowed {
+            self.allowed = allowed;
+            self.switch.second_pool.allow(allowed);
+        }
+        if self.second.is_none() {
+            // The peaks so far are the first tier's alone.
+            self.peaks = self.first.stats();
+            self.second = Some((self.switch.second)(self.stream));
+        }
+        let placed = self
+            .second
+            .as_mut()
+            .expect("made above")
+            .allocate(size, dev)?;
+        self.live += placed.size;
+        self.live_peak = self.live_peak.max(self.live);
+        self.track_peaks();
+        Ok(placed)
+    }
+
+    /// Both tiers' block statistics, summed; peaks as tracked once there are two.
+    fn merged_stats(&self) -> MemoryStats {
+        let mut st = self.first.stats();
+        if let Some(s) = self.second.as_ref() {
+            st.merge_blocks(&s.stats());
+            st.use_peaks(&self.peaks);
+        }
+        st
+    }
+
+    /// After an allocation with two tiers: the peaks of their sum (peaks rise only when a
+    /// block is handed out). Summing each tier's own peak would count blocks that were never
+    /// live together: GPT-2's allocated peak read 31 GiB for 23 (H200, session 28).
+    fn track_peaks(&mut self) {
+        if let Some(s) = self.second.as_ref() {
+            let mut now = self.first.stats();
+            now.merge_blocks(&s.stats());
+            self.peaks.track_peaks(&now);
+        }
+    }
+
     fn tier_ref(&self, addr: DevPtr) -> &dyn Policy {
         match self.second.as_ref() {
             Some(s) if s.holds(addr) => s.as_ref(),
@@ -154,50 +312,7 @@ impl Policy for Tiered {
     }
 
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
-        if !self.switch.switched.load(Ordering::Relaxed) {
-            let placed = self.first.allocate(size, dev)?;
-            self.live += placed.size;
-            self.live_peak = self.live_peak.max(self.live);
-            let held = dev.lock().held();
-            if held >= self.switch.after && !self.switch.switched.swap(true, Ordering::Relaxed) {
-                self.switch.held_at_switch.store(held, Ordering::Relaxed);
-            }
-            return Ok(placed);
-        }
-        self.since_try += 1;
-        let held = if self.first_idle {
-            dev.lock().held()
-        } else {
-            0
-        };
-        // The second tier may grow past the bound while the first still holds idle pages.
-        let over = self.first_idle
-            && (held + size) as f64 > (self.live_peak.max(self.live + size)) as f64 * (1.0 + OVER);
-        if self.first_idle && (over || self.since_try >= TRY_EVERY) {
-            // Blocks of the first tier were freed: its idle pages serve no new block, so once
-            // they add up they go back, those whose work is done; the others at a later try,
-            // or at once (waiting for their work) when the second tier would grow past the
-            // bound.
-            self.since_try = 0;
-            let limit = (held / TRIM_SHARE).max(TRIM_MIN);
-            if self.switch.first_idle_bytes() < limit {
-                self.first_idle = false;
-            } else {
-                self.switch.first_pool.trim_done(dev)?;
-                if over && self.switch.first_idle_bytes() >= limit {
-                    self.first.release_cached(dev)?;
-                }
-                self.first_idle = self.switch.first_idle_bytes() >= limit;
-            }
-        }
-        let switch = self.switch.clone();
-        let second = self
-            .second
-            .get_or_insert_with(|| (switch.second)(self.stream));
-        let placed = second.allocate(size, dev)?;
-        self.live += placed.size;
-        self.live_peak = self.live_peak.max(self.live);
-        Ok(placed)
+        self.allocate_two(size, dev)
     }
 
     fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64> {
@@ -240,11 +355,7 @@ impl Policy for Tiered {
     }
 
     fn stats(&self) -> MemoryStats {
-        let mut st = self.first.stats();
-        if let Some(s) = self.second.as_ref() {
-            st.merge_blocks(&s.stats());
-        }
-        st
+        self.merged_stats()
     }
 
     fn reset_peaks(&mut self) {
@@ -252,6 +363,8 @@ impl Policy for Tiered {
         if let Some(s) = self.second.as_mut() {
             s.reset_peaks();
         }
+        self.peaks = self.merged_stats();
+        self.peaks.reset_peaks();
     }
 
     fn largest_free(&self) -> u64 {
