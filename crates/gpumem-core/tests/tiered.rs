@@ -260,3 +260,43 @@ fn peaks_are_those_of_both_tiers_together() {
     }
     a.check().unwrap();
 }
+
+/// A stream runs on its first-tier instance alone until the switch; the engine wraps it in the
+/// tiers when it next allocates. A stream that allocates for the first time after another one
+/// switched, or one whose first request after the switch the first tier (which maps no page
+/// any more) refuses, is served by the second tier at once.
+#[test]
+fn streams_that_allocate_after_another_switched_are_served() {
+    let (a, ctl) = audited_sim("big_page:16MiB,big_after:64MiB", 16 * GIB);
+    // Stream 3 holds a small block from before the switch, and frees it.
+    let early = a.allocate(MIB, 3).unwrap();
+    a.free(early.ptr).unwrap();
+    // Stream 1 makes the first tier pass 64 MiB.
+    let one: Vec<_> = (0..30).map(|_| a.allocate(3 * MIB, 1).unwrap()).collect();
+    assert!(
+        a.policy_notes().iter().any(|n| n.contains("big_page")),
+        "{:?}",
+        a.policy_notes()
+    );
+    // Stream 2 comes now; stream 3 asks for more than its idle page holds.
+    let two = a.allocate(5 * MIB, 2).unwrap();
+    let three = a.allocate(10 * MIB, 3).unwrap();
+    // At once: not through the out-of-memory path, which empties every stream's cache first.
+    assert_eq!(a.memory_stats().num_alloc_retries, 0);
+    for al in [&two, &three] {
+        let h = ctl.handle_at(al.ptr).expect("mapped");
+        assert!(
+            ctl.mappings()
+                .iter()
+                .any(|&(va, len, hh)| hh == h && len == 16 * MIB && va <= al.ptr),
+            "{:#x} is not on a 16 MiB page",
+            al.ptr
+        );
+    }
+    a.check().unwrap();
+    for al in one.into_iter().chain([two, three]) {
+        a.free(al.ptr).unwrap();
+    }
+    a.check().unwrap();
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+}

@@ -37,15 +37,15 @@ pub type MakePolicy = Box<dyn Fn(Stream) -> Box<dyn Policy> + Send + Sync>;
 /// What the streams of one device share: when to switch, whether it happened, and how to make
 /// a stream's instance of each tier.
 pub struct TierSwitch {
-    /// Bytes held from the device at which new blocks go to the second tier.
+    /// Bytes the first tier holds from which new blocks go to the second tier.
     after: u64,
     switched: AtomicBool,
-    /// Bytes held when it switched (0: not yet).
+    /// Bytes the first tier held when it switched (0: not yet).
     held_at_switch: AtomicU64,
     /// Bytes of a second-tier page.
     big_page: u64,
     second: MakePolicy,
-    /// The first tier's pages: how many are idle.
+    /// The first tier's pages.
     first_pool: Arc<PagePool>,
     /// The second tier's pages.
     second_pool: Arc<PagePool>,
@@ -205,7 +205,7 @@ impl Tiered {
 
     /// [`Policy::allocate`]: the first tier where the block's pages are mapped in place, else
     /// the second.
-    fn allocate_two(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
+    fn place(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
         if !self.sealed {
             // A block whose pages the first tier still has mapped and idle in place goes
             // there: no driver call, and a pool that stops near the threshold keeps most of
@@ -312,7 +312,7 @@ impl Policy for Tiered {
     }
 
     fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
-        self.allocate_two(size, dev)
+        self.place(size, dev)
     }
 
     fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64> {
@@ -351,6 +351,7 @@ impl Policy for Tiered {
             released += s.release_cached(dev)?;
         }
         self.first_idle = false;
+        self.switch.note_first_held();
         Ok(released)
     }
 

@@ -124,8 +124,9 @@ pub fn render(
     out
 }
 
-/// Under stitched with pages under 16 MiB, a pool of at least [`GROWTH_HINT_HELD`] grown in at
-/// least [`GROWTH_HINT_PAGES`] pages: what growing cost, and the setting that cuts it. Each
+/// Under stitched with pages under 16 MiB (`big_page:off`, or a `big_page` under 16 MiB), a
+/// pool of at least [`GROWTH_HINT_HELD`] grown in at least [`GROWTH_HINT_PAGES`] pages: what
+/// growing cost, and the settings that cut it. Each
 /// page is a handle, and the driver's cost is per handle (about 50 µs to create, map and set
 /// access on an H200, BENCHMARKS.md §3, session 27), while pools this large stay within about
 /// 1 % of live with 16 MiB pages (§1, session 25: 1.0027–1.0089 on the recorded traces of
@@ -145,9 +146,9 @@ fn growth_hint(r: &PolicyResult) -> Option<String> {
          all, {:.2} s in the first quarter of the trace): in a run, the steps that grow the \
          pool pay this as host time, about 50 µs per page on an H200, where PyTorch's \
          allocator grows by large cudaMalloc'ed segments. A pool this large stays within about \
-         1 % of live with larger pages: add `--conf page:16MiB` to compare, or `--conf \
-         big_page:16MiB` for larger pages only once the pool holds 4 GiB (docs/stitched.md, \
-         \"What it costs when the pool grows\").\n",
+         1 % of live with larger pages: add `--conf page:16MiB` to compare, or leave \
+         `big_page` at its default (16 MiB pages once the pool holds 8 GiB; `big_after:4GiB` \
+         from 4 GiB; docs/stitched.md, \"What it costs when the pool grows\").\n",
         format_size(r.peak_held_bytes),
         created,
         format_size(page),
