@@ -1,9 +1,12 @@
-//! `big_page`: once the device holds `big_after`, the stitched policy places every new block in
-//! a second pool of larger pages (docs/stitched.md, "What comes next"). These check that the
-//! blocks placed after the switch lie on the larger pages, mapped whole and aligned; that
-//! frees and misuse reach the tier that holds the block; that the first tier's idle pages go
-//! back so that the memory held stays near the live peak; that a pool under the threshold is
-//! untouched; and the bound on a recorded trace that switches.
+//! `big_page` (on by default: 16 MiB from 8 GiB): once the first tier holds `big_after`, the
+//! stitched policy places new blocks in a second pool of larger pages, except where the first
+//! tier's pages are still mapped and idle in place (docs/stitched.md, "What comes next"). These
+//! check that the blocks placed after the switch lie on the larger pages, mapped whole and
+//! aligned, and that the same blocks again come back in place; that frees and misuse reach the
+//! tier that holds the block; that the memory held stays near the live peak; that a pool under
+//! the threshold is untouched; the bound on a recorded trace that switches; that the block
+//! statistics' peaks are those of both tiers together; and that streams that allocate after
+//! another switched are served at once.
 
 use gpumem_core::backend::sim::{SimBackend, SimConfig, SimControl};
 use gpumem_core::policy::PolicyKind;
