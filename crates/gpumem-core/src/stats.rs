@@ -211,16 +211,11 @@ impl MemoryStats {
     /// values, totals and counters add exactly; peaks add too, which makes the combined peak
     /// an upper bound of the true device-wide peak when several streams allocate.
     pub fn merge_blocks(&mut self, other: &MemoryStats) {
-        let pairs = [
-            (&mut self.allocation, &other.allocation),
-            (&mut self.active, &other.active),
-            (&mut self.inactive_split, &other.inactive_split),
-            (&mut self.allocated_bytes, &other.allocated_bytes),
-            (&mut self.active_bytes, &other.active_bytes),
-            (&mut self.inactive_split_bytes, &other.inactive_split_bytes),
-            (&mut self.requested_bytes, &other.requested_bytes),
-        ];
-        for (mine, theirs) in pairs {
+        for (mine, theirs) in self
+            .block_arrays_mut()
+            .into_iter()
+            .zip(other.block_arrays())
+        {
             for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
                 m.current += t.current;
                 m.peak += t.peak;
@@ -257,6 +252,8 @@ impl MemoryStats {
         }
     }
 
+    /// The block statistics (what a policy keeps; not the device's `segment` and
+    /// `reserved_bytes`).
     fn block_arrays(&self) -> [&StatArray; 7] {
         [
             &self.allocation,

@@ -437,7 +437,10 @@ impl PagePool {
     /// ones: the Llama decoder, whose pool stops at the 4 GiB threshold, waited 1,346 times
     /// against 52 (BENCHMARKS.md §1, session 28).
     pub fn allow(&self, pages: u64) {
-        self.floor.fetch_max(pages, Ordering::Relaxed);
+        // Read first: the allowance rarely rises, and a read leaves the line shared.
+        if pages > self.floor.load(Ordering::Relaxed) {
+            self.floor.fetch_max(pages, Ordering::Relaxed);
+        }
     }
 
     /// From now on the pool maps no page: it takes a block only where the block's pages are
@@ -710,12 +713,6 @@ impl PagePool {
         let mut todo: Vec<u32> = Vec::new();
         // Idle pages this shard may take: its own, and those of shards that lend.
         let may_take = |i: usize| i == m || shards[i].lends.load(Ordering::Relaxed);
-        let idle_total = |all: &AllLocals| {
-            (0..all.guards.len())
-                .filter(|&i| may_take(i))
-                .map(|i| all.guards[i].idle.len())
-                .sum::<usize>()
-        };
         for &v in need {
             let slot = all.guards[m].map[v as usize];
             if slot != NONE {
@@ -730,6 +727,12 @@ impl PagePool {
             }
             todo.push(v);
         }
+        let idle_total = |all: &AllLocals| {
+            (0..all.guards.len())
+                .filter(|&i| may_take(i))
+                .map(|i| all.guards[i].idle.len())
+                .sum::<usize>()
+        };
         for &v in &todo {
             let idle = idle_total(&all);
             let reserve = !self.chunked && d.reserve_unused() > 0;

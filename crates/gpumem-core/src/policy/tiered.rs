@@ -49,8 +49,6 @@ pub struct TierSwitch {
     first_pool: Arc<PagePool>,
     /// The second tier's pages.
     second_pool: Arc<PagePool>,
-    /// Bytes the first tier held at its last give-back (or at the switch).
-    first_held: AtomicU64,
 }
 
 impl TierSwitch {
@@ -71,7 +69,6 @@ impl TierSwitch {
             second,
             first_pool,
             second_pool,
-            first_held: AtomicU64::new(0),
         }
     }
 
@@ -90,7 +87,6 @@ impl TierSwitch {
             let held = self.first_pool.held_bytes();
             self.held_at_switch.store(held, Ordering::Relaxed);
             self.first_pool.close();
-            self.note_first_held();
         }
         true
     }
@@ -98,13 +94,6 @@ impl TierSwitch {
     /// The instance of `stream` in two tiers, over its first-tier instance `first`.
     pub fn wrap(self: &Arc<Self>, stream: Stream, first: Box<dyn Policy>) -> Box<dyn Policy> {
         Box::new(Tiered::new(stream, first, self.clone()))
-    }
-
-    /// Reads the bytes the first tier holds (after the switch, or a give-back: it makes no
-    /// page after the switch, so they change only then).
-    fn note_first_held(&self) {
-        let held = self.first_pool.held_bytes();
-        self.first_held.store(held, Ordering::Relaxed);
     }
 
     /// Bytes of the first tier's idle pages.
@@ -157,8 +146,6 @@ pub struct Tiered {
     /// Bytes of this stream's live blocks, and their peak.
     live: u64,
     live_peak: u64,
-    /// Pages this stream last let the second tier make whatever its own peak.
-    allowed: u64,
     /// The first tier's idle pages had to go back with a wait: it takes no new block.
     sealed: bool,
     /// With two tiers: the peaks of their summed block statistics.
@@ -182,7 +169,6 @@ impl Tiered {
             since_try: 0,
             live,
             live_peak,
-            allowed: 0,
             sealed: false,
             peaks: MemoryStats::default(),
         }
@@ -203,9 +189,42 @@ impl Tiered {
         self.live = self.live.saturating_sub(size.unwrap_or(0));
     }
 
-    /// [`Policy::allocate`]: the first tier where the block's pages are mapped in place, else
-    /// the second.
-    fn place(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
+    /// Both tiers' block statistics, summed; peaks as tracked once there are two.
+    fn merged_stats(&self) -> MemoryStats {
+        let mut st = self.first.stats();
+        if let Some(s) = self.second.as_ref() {
+            st.merge_blocks(&s.stats());
+            st.use_peaks(&self.peaks);
+        }
+        st
+    }
+
+    /// After an allocation with two tiers: the peaks of their sum (peaks rise only when a
+    /// block is handed out). Summing each tier's own peak would count blocks that were never
+    /// live together: GPT-2's allocated peak read 31 GiB for 23 (H200, session 28).
+    fn track_peaks(&mut self) {
+        if let Some(s) = self.second.as_ref() {
+            let mut now = self.first.stats();
+            now.merge_blocks(&s.stats());
+            self.peaks.track_peaks(&now);
+        }
+    }
+
+    fn tier_ref(&self, addr: DevPtr) -> &dyn Policy {
+        match self.second.as_ref() {
+            Some(s) if s.holds(addr) => s.as_ref(),
+            _ => self.first.as_ref(),
+        }
+    }
+}
+
+impl Policy for Tiered {
+    fn name(&self) -> &'static str {
+        "stitched"
+    }
+
+    /// The first tier where the block's pages are mapped in place, else the second.
+    fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
         if !self.sealed {
             // A block whose pages the first tier still has mapped and idle in place goes
             // there: no driver call, and a pool that stops near the threshold keeps most of
@@ -252,15 +271,11 @@ impl Tiered {
                 }
                 self.first_idle = self.switch.first_idle_bytes() >= limit;
             }
-            self.switch.note_first_held();
         }
         // The second tier may make pages up to the bound less what the first still holds.
-        let allowed = (bound as u64).saturating_sub(self.switch.first_held.load(Ordering::Relaxed))
+        let allowed = (bound as u64).saturating_sub(self.switch.first_pool.held_bytes())
             / self.switch.big_page;
-        if allowed > self.allowed {
-            self.allowed = allowed;
-            self.switch.second_pool.allow(allowed);
-        }
+        self.switch.second_pool.allow(allowed);
         if self.second.is_none() {
             // The peaks so far are the first tier's alone.
             self.peaks = self.first.stats();
@@ -275,44 +290,6 @@ impl Tiered {
         self.live_peak = self.live_peak.max(self.live);
         self.track_peaks();
         Ok(placed)
-    }
-
-    /// Both tiers' block statistics, summed; peaks as tracked once there are two.
-    fn merged_stats(&self) -> MemoryStats {
-        let mut st = self.first.stats();
-        if let Some(s) = self.second.as_ref() {
-            st.merge_blocks(&s.stats());
-            st.use_peaks(&self.peaks);
-        }
-        st
-    }
-
-    /// After an allocation with two tiers: the peaks of their sum (peaks rise only when a
-    /// block is handed out). Summing each tier's own peak would count blocks that were never
-    /// live together: GPT-2's allocated peak read 31 GiB for 23 (H200, session 28).
-    fn track_peaks(&mut self) {
-        if let Some(s) = self.second.as_ref() {
-            let mut now = self.first.stats();
-            now.merge_blocks(&s.stats());
-            self.peaks.track_peaks(&now);
-        }
-    }
-
-    fn tier_ref(&self, addr: DevPtr) -> &dyn Policy {
-        match self.second.as_ref() {
-            Some(s) if s.holds(addr) => s.as_ref(),
-            _ => self.first.as_ref(),
-        }
-    }
-}
-
-impl Policy for Tiered {
-    fn name(&self) -> &'static str {
-        "stitched"
-    }
-
-    fn allocate(&mut self, size: u64, dev: &Device) -> Result<Placement, BackendError> {
-        self.place(size, dev)
     }
 
     fn free_requested(&mut self, addr: DevPtr, dev: &Device) -> Option<u64> {
@@ -351,7 +328,6 @@ impl Policy for Tiered {
             released += s.release_cached(dev)?;
         }
         self.first_idle = false;
-        self.switch.note_first_held();
         Ok(released)
     }
 
