@@ -161,3 +161,54 @@ def test_trace_time_table_sets_each_pass_beside_the_median_native_run():
     assert "150.0 [40.0, 41.0] +40.0 (+4.00/step)" in row
     assert "10.0 [40.0, 41.0] -7.0 (-0.70/step)" in row
     assert "exit 1: boom" in table
+
+
+def run_lockstep(tmp_path, env_extra, pairs="native:gpumem,native:native-again", steps=10):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LOCKSTEP_SELFTEST_MS": "8", **env_extra}
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "lockstep_steps.py"), "--workloads", "selftest",
+         "--steps", str(steps), "--pairs", pairs, "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120)
+    rows = [json.loads(line) for line in (tmp_path / "lockstep.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+def test_lockstep_pairs_each_step_and_sees_a_slower_side(tmp_path):
+    # The self-test workload sleeps 8 ms a step, 10 % longer under a gpumem name: the lockstep
+    # must give every step to both sides, in alternating order, and find the 10 %.
+    out, rows = run_lockstep(tmp_path, {"LOCKSTEP_SELFTEST_GPUMEM_FACTOR": "1.1"})
+    assert out.returncode == 0, out.stderr
+    assert [(r["a"], r["b"]) for r in rows] == [("native", "gpumem"), ("native", "native-again")]
+    for r in rows:
+        assert len(r["a_step_s"]) == len(r["b_step_s"]) == 10
+        assert r["summary"]["timed_steps"] == 8, "two warm-up steps left out"
+        assert "end" in r["a_end"] and "end" in r["b_end"], "both children stopped cleanly"
+    slow, same = rows[0]["summary"], rows[1]["summary"]
+    assert slow["ratio_of_medians"] == pytest.approx(1.1, abs=0.03)
+    assert slow["ci95"][0] <= slow["ratio_of_medians"] <= slow["ci95"][1]
+    assert same["ratio_of_medians"] == pytest.approx(1.0, abs=0.03)
+    assert rows[0]["b_driver_s"][0] == 0.0 and rows[0]["a_driver_s"][0] is None
+    assert "| selftest | 1 | native | gpumem |" in out.stdout
+
+
+def test_lockstep_reports_a_child_that_fails(tmp_path):
+    out, rows = run_lockstep(tmp_path, {"LOCKSTEP_SELFTEST_MS": "not a number"},
+                             pairs="native:gpumem", steps=6)
+    assert out.returncode == 1
+    assert "the process ended" in rows[0]["error"] and "ValueError" in rows[0]["error"]
+    assert "error:" in out.stdout
+
+
+def test_lockstep_refuses_bad_pairs(tmp_path):
+    for pairs, says in (("native:native", "native-again"), ("native:nosuch", "unknown allocator")):
+        import subprocess
+        import sys
+
+        out = subprocess.run([sys.executable, str(SCRIPTS / "lockstep_steps.py"), "--workloads",
+                              "selftest", "--pairs", pairs, "--out", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and says in out.stderr

@@ -1,0 +1,451 @@
+#!/usr/bin/env python3
+"""Step time of two allocators measured in lockstep on one GPU: each step's pair of times is
+taken seconds apart, so the machine's drift cancels out of their ratio.
+
+    python3 scripts/lockstep_steps.py --workloads gpt2_varlen --steps 64 \
+        --pairs native:gpumem,native:native-again [--variant gpumem-flat=big_page:off]
+
+Why: a step time ratio between two runs of a workload, one after the other, moves by up to
+±15 % on the H200 machines this project is lent, PyTorch's allocator against itself included
+(BENCHMARKS.md §3), so a 1 % target cannot be seen that way. Here both allocators' processes are
+started side by side on the same GPU, each building the same seeded workload, and take turns:
+the parent tells one to run a step (its kernels, then torch.cuda.synchronize), waits for its
+time, then tells the other. The process not running waits on a pipe, so the GPU and the host's
+cores serve one step at a time. The order alternates (A B, B A, A B, ...) so that neither side
+always runs first. Each step i thus gives a pair (a_i, b_i) of the same work, taken within a
+second of each other.
+
+Reported per pair of allocators: each side's median over the timed steps (the first --warmup
+left out), their ratio (the figure issue 5 asks for: median step time ÷ native's), the median of
+the per-step ratios b_i / a_i, the ratio of total times, and 95 % intervals for the ratio of
+medians and the median of step ratios from resampling the steps (paired, 2,000 draws). A pair with the same allocator on both
+sides (native:native-again) is the control: its ratio shows what is left of the noise.
+
+Both processes hold their memory on the GPU at once (GPT-2 with random lengths: 40 GiB under
+PyTorch's allocator, 23 GiB under gpumem's), so the workload must fit twice. Each process also
+reports its peak held and live bytes, and gpumem's processes the driver calls of each step, by
+kind, with their host time (read between steps, outside the timed span).
+
+Workloads and allocator names are those of scripts/bench_workloads.py (gpumem variants with
+--variant NAME=CONF, as there). --cpus LIST runs both processes on the same CPUs. Results: a
+table on stdout (last), JSON lines in $OUT/lockstep.jsonl (or --out DIR). Runs in both orders
+(native:gpumem and gpumem:native), and from several calls, are pooled per workload and
+allocator with `--pool FILE...`: every step's ratio of the allocator's time over native's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_workloads as bw  # noqa: E402  (same folder: the workloads and allocator names)
+
+STEP_TIMEOUT_S = 180.0
+BOOTSTRAP_DRAWS = 2000
+
+
+# --------------------------------------------------------------------------------------------
+# Child: one workload under one allocator, one step per "go" line on stdin.
+# --------------------------------------------------------------------------------------------
+
+
+def child(args) -> None:
+    # The replies go through a copy of stdout; anything a library prints goes to stderr (the
+    # log), so it cannot be taken for a reply.
+    global REPLIES
+    REPLIES = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    if args.cpus:
+        os.sched_setaffinity(0, parse_cpus(args.cpus))
+    if args.workload == SELFTEST:
+        return selftest_child(args)
+    import torch
+
+    gm = None
+    if bw.is_gpumem(args.allocator):
+        import gpumem as gm
+
+        gm.torch.install()  # GPUMEM_CONF from the parent for variants
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    say({"ready": True, "pid": os.getpid(), "backend": torch.cuda.get_allocator_backend()})
+    steps = bw.make_workload(torch, args.workload, args.steps, args.batch)
+    while sys.stdin.readline().strip() == "go":
+        before = gm.torch.driver_calls() if gm else None
+        t = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration:
+            say({"error": "the workload ended early"})
+            return
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        msg = {"s": dt}
+        if gm:
+            after = gm.torch.driver_calls()
+            msg["driver_s"] = sum(v["seconds"] for v in after.values()) - sum(
+                v["seconds"] for v in before.values())
+            # The step's calls by kind: [calls, host seconds].
+            zero = {"calls": 0, "seconds": 0.0}
+            msg["driver"] = {k: [v["calls"] - before.get(k, zero)["calls"],
+                                 v["seconds"] - before.get(k, zero)["seconds"]]
+                             for k, v in after.items() if v["calls"] > before.get(k, zero)["calls"]}
+        say(msg)
+    stats = torch.cuda.memory_stats()
+    end = {"end": True, "peak_held": stats.get("reserved_bytes.all.peak"),
+           "requested_peak": stats.get("requested_bytes.all.peak"),
+           "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    if gm:
+        end["gpumem_conf"] = gm.torch.conf()
+        end["gpumem_errors"] = gm.torch.error_counts()
+    say(end)
+
+
+# A workload without torch or a GPU, to check the lockstep itself (tests/python): each step
+# sleeps LOCKSTEP_SELFTEST_MS milliseconds, times LOCKSTEP_SELFTEST_GPUMEM_FACTOR under a gpumem
+# name.
+SELFTEST = "selftest"
+
+
+def selftest_child(args) -> None:
+    base = float(os.environ.get("LOCKSTEP_SELFTEST_MS", "20")) / 1e3
+    if bw.is_gpumem(args.allocator):
+        base *= float(os.environ.get("LOCKSTEP_SELFTEST_GPUMEM_FACTOR", "1"))
+    say({"ready": True, "pid": os.getpid(), "backend": "selftest"})
+    done = 0
+    while sys.stdin.readline().strip() == "go":
+        if done == args.steps:
+            say({"error": "the workload ended early"})
+            return
+        t = time.perf_counter()
+        time.sleep(base)
+        done += 1
+        say({"s": time.perf_counter() - t, "driver_s": 0.0 if bw.is_gpumem(args.allocator) else None})
+    say({"end": True, "peak_held": None, "requested_peak": None})
+
+
+REPLIES = sys.stdout
+
+
+def parse_cpus(text: str) -> set:
+    """'4-7,9' -> {4, 5, 6, 7, 9}."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def say(obj) -> None:
+    REPLIES.write(json.dumps(obj) + "\n")
+    REPLIES.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# Parent: two children in lockstep.
+# --------------------------------------------------------------------------------------------
+
+
+class Side:
+    """One child process and its replies."""
+
+    def __init__(self, allocator: str, workload: str, steps: int, batch, log: Path, cpus=None):
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if bw.ALLOC_ENV.get(allocator):
+            env["PYTORCH_CUDA_ALLOC_CONF"] = bw.ALLOC_ENV[allocator]
+        if allocator in bw.GPUMEM_VARIANTS:
+            env["GPUMEM_CONF"] = bw.GPUMEM_VARIANTS[allocator]
+        cmd = [sys.executable, __file__, "--child", "--allocator", allocator, "--workload",
+               workload, "--steps", str(steps)]
+        if batch:
+            cmd += ["--batch", str(batch)]
+        if cpus:
+            cmd += ["--cpus", cpus]
+        self.name = allocator
+        self.log = log
+        self.err = open(log, "w")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self.err, env=env, bufsize=0)
+        self.fd = self.p.stdout.fileno()
+        self.buf = b""
+
+    def read(self, timeout=STEP_TIMEOUT_S) -> dict:
+        """The child's next reply (one JSON line), read from the pipe's descriptor itself so
+        that a line already buffered is never missed by select."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, left))
+            if not ready:
+                raise RuntimeError(f"{self.name}: no reply within {timeout:.0f} s (log: {self.log})")
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                self.p.wait(timeout=10)
+                lines = self.log.read_text().strip().splitlines() if self.log.exists() else []
+                last = lines[-1] if lines else "no output"
+                raise RuntimeError(f"{self.name}: the process ended (rc {self.p.returncode}): "
+                                   f"{last} (log: {self.log})")
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"{self.name}: {msg['error']}")
+        return msg
+
+    def send(self, cmd: str) -> None:
+        self.p.stdin.write((cmd + "\n").encode())
+
+    def close(self) -> dict:
+        end = {}
+        try:
+            self.send("stop")
+            end = self.read(timeout=60)
+        except (RuntimeError, BrokenPipeError, OSError) as e:
+            end = {"close_error": str(e)}
+        try:
+            self.p.stdin.close()
+            self.p.wait(timeout=30)
+        except (subprocess.TimeoutExpired, OSError):
+            self.p.kill()
+        self.err.close()
+        return end
+
+
+def run_pair(workload, a_name, b_name, steps, batch, log_dir: Path, cpus=None) -> dict:
+    tag = f"{workload}.{a_name}.{b_name}.{int(time.time())}"
+    a = Side(a_name, workload, steps, batch, log_dir / f"{tag}.a.log", cpus)
+    b = Side(b_name, workload, steps, batch, log_dir / f"{tag}.b.log", cpus)
+    sides = (a, b)
+    out = {"workload": workload, "a": a_name, "b": b_name, "steps": steps, "batch": batch,
+           "cpus": cpus}
+    try:
+        for s in sides:
+            s.read(timeout=300)  # ready: CUDA initialised
+        ta, tb, da, db, ka, kb = [], [], [], [], [], []
+        for i in range(steps):
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for k in order:
+                s = sides[k]
+                s.send("go")
+                msg = s.read()
+                (ta if k == 0 else tb).append(msg["s"])
+                (da if k == 0 else db).append(msg.get("driver_s"))
+                (ka if k == 0 else kb).append(msg.get("driver"))
+            if (i + 1) % 8 == 0 or i + 1 == steps:
+                print(f"  {workload} {a_name}:{b_name} step {i + 1}/{steps}: "
+                      f"{ta[-1] * 1e3:.1f} / {tb[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+        out.update({"a_step_s": ta, "b_step_s": tb, "a_driver_s": da, "b_driver_s": db,
+                    "a_driver_calls": ka, "b_driver_calls": kb})
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["a_end"] = a.close()
+    out["b_end"] = b.close()
+    return out
+
+
+def summarize(r: dict, warmup: int) -> dict:
+    ta, tb = r["a_step_s"][warmup:], r["b_step_s"][warmup:]
+    ma, mb = statistics.median(ta), statistics.median(tb)
+    ratios = [y / x for x, y in zip(ta, tb)]
+    rng = random.Random(1)
+    n = len(ta)
+    boot, boot_steps = [], []
+    for _ in range(BOOTSTRAP_DRAWS):
+        idx = [rng.randrange(n) for _ in range(n)]
+        boot.append(statistics.median(tb[i] for i in idx) / statistics.median(ta[i] for i in idx))
+        boot_steps.append(statistics.median(ratios[i] for i in idx))
+
+    def interval(xs):
+        xs = sorted(xs)
+        return [xs[int(0.025 * len(xs))], xs[int(0.975 * len(xs)) - 1]]
+
+    return {
+        "timed_steps": n,
+        "a_median_s": ma, "b_median_s": mb, "ratio_of_medians": mb / ma,
+        "ci95": interval(boot),
+        # Where steps differ in length (random sequence lengths), the median step of each side
+        # may be a different step from one resample to the next; the step-by-step ratio
+        # compares the same work and is the steadier figure there.
+        "median_step_ratio": statistics.median(ratios),
+        "median_step_ratio_ci95": interval(boot_steps),
+        "geomean_step_ratio": statistics.geometric_mean(ratios),
+        "ratio_of_totals": sum(tb) / sum(ta),
+        "b_driver_ms_per_step": (statistics.mean(d for d in r["b_driver_s"][warmup:]) * 1e3
+                                 if r["b_driver_s"] and r["b_driver_s"][0] is not None else None),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--allocator", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--workloads", default="gpt2_varlen",
+                    help=f"comma-separated, of: {', '.join(bw.WORKLOADS)}")
+    ap.add_argument("--pairs", default="native:gpumem,native:native-again",
+                    help="comma-separated A:B pairs; ratios are B / A")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (default: bench_workloads.py's, at least 16)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps left out of the figures (default: bench_workloads.py's)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every pair")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=CONF",
+                    help="a gpumem configuration under a name starting with gpumem-")
+    ap.add_argument("--cpus", default=None, metavar="LIST",
+                    help="run both processes on these CPUs (e.g. 4-7): then a difference in "
+                         "where each was scheduled cannot favour one side")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the results")
+    ap.add_argument("--pool", nargs="+", metavar="JSONL",
+                    help="print nothing new: pool the runs of these lockstep.jsonl files per "
+                         "workload and allocator over native, both orders together")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if args.pool:
+        print_pooled(pool(args.pool))
+        return 0
+    for v in args.variant:
+        name, _, conf = v.partition("=")
+        if not name.startswith("gpumem-") or not conf:
+            ap.error(f"--variant {v!r}: expected gpumem-NAME=CONF")
+        bw.GPUMEM_VARIANTS[name] = conf
+    known = set(bw.ALLOC_ENV) | set(bw.GPUMEM_VARIANTS)
+    pairs = []
+    for p in args.pairs.split(","):
+        a, _, b = p.partition(":")
+        for x in (a, b):
+            if x not in known:
+                ap.error(f"--pairs: unknown allocator {x!r} (known: {', '.join(sorted(known))})")
+        if a == b:
+            ap.error(f"--pairs {p}: name the control native-again, not twice the same")
+        pairs.append((a, b))
+    if args.cpus:
+        try:
+            if not parse_cpus(args.cpus) <= os.sched_getaffinity(0):
+                ap.error(f"--cpus {args.cpus}: not all of them are available here")
+        except ValueError:
+            ap.error(f"--cpus {args.cpus!r}: expected a list like 4-7,9")
+    workloads = args.workloads.split(",")
+    for w in workloads:
+        if w not in bw.WORKLOADS and w != SELFTEST:
+            ap.error(f"unknown workload {w!r}")
+    out_dir = Path(args.out)
+    log_dir = out_dir / "lockstep_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "lockstep.jsonl"
+    rows = []
+    with open(jsonl, "a") as f:
+        for rnd in range(args.repeat):
+            for w in workloads:
+                spec = bw.WORKLOADS.get(w, {"steps": 16, "warmup": 2})
+                steps = args.steps or max(16, spec["steps"])
+                warmup = spec["warmup"] if args.warmup is None else args.warmup
+                if steps - warmup < 4:
+                    ap.error(f"{w}: {steps} steps leave fewer than 4 timed after {warmup} warm-up")
+                for a, b in pairs:
+                    print(f"round {rnd + 1}: {w}, {a} and {b} in lockstep, {steps} steps",
+                          file=sys.stderr, flush=True)
+                    r = run_pair(w, a, b, steps, args.batch, log_dir, args.cpus)
+                    r["round"] = rnd + 1
+                    r["warmup"] = warmup
+                    if "error" not in r:
+                        r["summary"] = summarize(r, warmup)
+                    f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    rows.append(r)
+    print_table(rows)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def pool(paths) -> list:
+    """Every run of the JSON lines files `paths`, pooled per workload and allocator, whichever
+    side of its pair it ran on: each step's ratio is the allocator's time over PyTorch's
+    (native) time at that step. Returns rows of figures (see `print_pooled`)."""
+    runs = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            if "summary" not in r:
+                continue
+            w = r["warmup"]
+            ta, tb = r["a_step_s"][w:], r["b_step_s"][w:]
+            if r["a"] == "native":
+                name, ratios, rom = r["b"], [y / x for x, y in zip(ta, tb)], r["summary"]["ratio_of_medians"]
+            elif r["b"] == "native":
+                name, ratios, rom = r["a"], [x / y for x, y in zip(ta, tb)], 1 / r["summary"]["ratio_of_medians"]
+            else:
+                continue
+            order = "native first" if r["a"] == "native" else "native second"
+            runs.setdefault((r["workload"], name), []).append((ratios, rom, order))
+    rows = []
+    rng = random.Random(1)
+    for (workload, name), rs in sorted(runs.items()):
+        steps = [x for ratios, _, _ in rs for x in ratios]
+        n = len(steps)
+        boot = sorted(statistics.median(steps[rng.randrange(n)] for _ in range(n))
+                      for _ in range(BOOTSTRAP_DRAWS))
+        rows.append({
+            "workload": workload, "allocator": name, "runs": len(rs), "steps": n,
+            "orders": sorted({o for _, _, o in rs}),
+            "median_step_ratio": statistics.median(steps),
+            "median_step_ratio_ci95": [boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]],
+            "per_run_median_step_ratio": [statistics.median(x) for x, _, _ in rs],
+            "per_run_ratio_of_medians": [m for _, m, _ in rs],
+            "geomean_ratio_of_medians": statistics.geometric_mean([m for _, m, _ in rs]),
+        })
+    return rows
+
+
+def print_pooled(rows) -> None:
+    print("| workload | allocator ÷ native | runs (orders) | steps | median of step ratios (95 % CI) "
+          "| per run | ratio of medians, per run (geometric mean) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        lo, hi = r["median_step_ratio_ci95"]
+        per_run = ", ".join(f"{x:.4f}" for x in r["per_run_median_step_ratio"])
+        rom = ", ".join(f"{x:.4f}" for x in r["per_run_ratio_of_medians"])
+        print(f"| {r['workload']} | {r['allocator']} | {r['runs']} ({len(r['orders'])}) | {r['steps']} "
+              f"| {r['median_step_ratio']:.4f} ({lo:.4f}–{hi:.4f}) | {per_run} "
+              f"| {rom} ({r['geomean_ratio_of_medians']:.4f}) |")
+
+
+def gib(x):
+    return f"{x / (1 << 30):.3f}" if x else "-"
+
+
+def print_table(rows) -> None:
+    print()
+    print("| workload | round | A | B | A median ms | B median ms | B/A medians (95 % CI) "
+          "| median of step ratios (95 % CI) | B/A totals | B driver ms/step | held A / B GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['workload']} | {r.get('round')} | {r['a']} | {r['b']} | error: "
+                  f"{r['error'][:300]} |")
+            continue
+        s = r["summary"]
+        drv = f"{s['b_driver_ms_per_step']:.2f}" if s["b_driver_ms_per_step"] is not None else "-"
+        print(f"| {r['workload']} | {r['round']} | {r['a']} | {r['b']} "
+              f"| {s['a_median_s'] * 1e3:.1f} | {s['b_median_s'] * 1e3:.1f} "
+              f"| {s['ratio_of_medians']:.4f} ({s['ci95'][0]:.4f}–{s['ci95'][1]:.4f}) "
+              f"| {s['median_step_ratio']:.4f} ({s['median_step_ratio_ci95'][0]:.4f}–"
+              f"{s['median_step_ratio_ci95'][1]:.4f}) | {s['ratio_of_totals']:.4f} | {drv} "
+              f"| {gib(r['a_end'].get('peak_held'))} / {gib(r['b_end'].get('peak_held'))} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
