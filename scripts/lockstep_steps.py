@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Step time of two allocators measured in lockstep on one GPU: each step's pair of times is
-taken seconds apart, so the machine's drift cancels out of their ratio.
+"""Step time of two allocators measured in lockstep on one GPU: each step's two times are
+taken back to back, so the machine's drift cancels out of their ratio.
 
     python3 scripts/lockstep_steps.py --workloads gpt2_varlen --steps 64 \
         --pairs native:gpumem,native:native-again [--variant gpumem-flat=big_page:off]
@@ -281,9 +281,14 @@ def summarize(r: dict, warmup: int) -> dict:
         "median_step_ratio_ci95": interval(boot_steps),
         "geomean_step_ratio": statistics.geometric_mean(ratios),
         "ratio_of_totals": sum(tb) / sum(ta),
-        "b_driver_ms_per_step": (statistics.mean(d for d in r["b_driver_s"][warmup:]) * 1e3
-                                 if r["b_driver_s"] and r["b_driver_s"][0] is not None else None),
+        "b_driver_ms_per_step": b_driver_ms(r.get("b_driver_s"), warmup),
     }
+
+
+def b_driver_ms(driver_s, warmup):
+    """B's driver milliseconds per timed step, if B reported them (gpumem does)."""
+    timed = [d for d in (driver_s or [])[warmup:] if d is not None]
+    return statistics.mean(timed) * 1e3 if timed else None
 
 
 def main() -> int:
@@ -300,7 +305,7 @@ def main() -> int:
                     help="steps per run (default: bench_workloads.py's, at least 16)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="steps left out of the figures (default: bench_workloads.py's)")
-    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="batch size (default: the workload's)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every pair")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CONF",
                     help="a gpumem configuration under a name starting with gpumem-")
@@ -309,8 +314,8 @@ def main() -> int:
                          "where each was scheduled cannot favour one side")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the results")
     ap.add_argument("--pool", nargs="+", metavar="JSONL",
-                    help="print nothing new: pool the runs of these lockstep.jsonl files per "
-                         "workload and allocator over native, both orders together")
+                    help="run nothing: pool the runs of these lockstep.jsonl files per workload "
+                         "and allocator over native, both orders together")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -404,19 +409,39 @@ def pool(paths) -> list:
             "median_step_ratio": statistics.median(steps),
             "median_step_ratio_ci95": [boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]],
             "per_run_median_step_ratio": [statistics.median(x) for x, _, _ in rs],
+            # Runs differ by more than their steps say (each pair of processes has its own
+            # placement in memory and on the host): the interval over runs is the honest one
+            # for "a run of this workload".
+            "runs_ci95": run_interval([statistics.median(x) for x, _, _ in rs]),
             "per_run_ratio_of_medians": [m for _, m, _ in rs],
             "geomean_ratio_of_medians": statistics.geometric_mean([m for _, m, _ in rs]),
         })
     return rows
 
 
+# Two-sided 95 % quantiles of Student's t, by degrees of freedom (1-10; 2.0 beyond).
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def run_interval(xs):
+    """95 % interval of the mean of per-run figures `xs` (Student's t); None for one run."""
+    if len(xs) < 2:
+        return None
+    m = statistics.mean(xs)
+    half = (T95[len(xs) - 2] if len(xs) - 1 <= len(T95) else 2.0) * statistics.stdev(xs) / len(xs) ** 0.5
+    return [m - half, m + half]
+
+
 def print_pooled(rows) -> None:
     print("| workload | allocator ÷ native | runs (orders) | steps | median of step ratios (95 % CI) "
-          "| per run | ratio of medians, per run (geometric mean) |")
+          "| per run (mean, 95 % CI over runs) | ratio of medians, per run (geometric mean) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         lo, hi = r["median_step_ratio_ci95"]
         per_run = ", ".join(f"{x:.4f}" for x in r["per_run_median_step_ratio"])
+        if r["runs_ci95"]:
+            a, b = r["runs_ci95"]
+            per_run += f" ({statistics.mean(r['per_run_median_step_ratio']):.4f}, {a:.4f}–{b:.4f})"
         rom = ", ".join(f"{x:.4f}" for x in r["per_run_ratio_of_medians"])
         print(f"| {r['workload']} | {r['allocator']} | {r['runs']} ({len(r['orders'])}) | {r['steps']} "
               f"| {r['median_step_ratio']:.4f} ({lo:.4f}–{hi:.4f}) | {per_run} "

@@ -212,3 +212,33 @@ def test_lockstep_refuses_bad_pairs(tmp_path):
                               "selftest", "--pairs", pairs, "--out", str(tmp_path)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and says in out.stderr
+
+
+def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path):
+    ls = load("lockstep_steps")
+
+    def run(a, b, ta, tb):
+        r = {"workload": "w", "a": a, "b": b, "warmup": 1, "a_step_s": ta, "b_step_s": tb}
+        r["summary"] = ls.summarize(r, 1)
+        return json.dumps(r)
+
+    # gpumem 2 % slower than native in one run, 4 % in the other, whichever side it ran on;
+    # the control's run and a run that failed (no summary) are kept apart or left out.
+    lines = [
+        run("native", "gpumem", [9.0, 1.0, 2.0, 3.0], [9.0, 1.02, 2.04, 3.06]),
+        run("gpumem", "native", [9.0, 1.04, 2.08, 3.12], [9.0, 1.0, 2.0, 3.0]),
+        run("native", "native-again", [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]),
+        json.dumps({"workload": "w", "a": "native", "b": "gpumem", "error": "it failed"}),
+    ]
+    path = tmp_path / "lockstep.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    rows = {r["allocator"]: r for r in ls.pool([path])}
+    g = rows["gpumem"]
+    assert g["runs"] == 2 and g["steps"] == 6 and g["orders"] == ["native first", "native second"]
+    assert g["per_run_median_step_ratio"] == pytest.approx([1.02, 1.04])
+    assert g["per_run_ratio_of_medians"] == pytest.approx([1.02, 1.04])
+    lo, hi = g["runs_ci95"]
+    # Mean 1.03, standard error 0.01 (two runs 0.02 apart), t = 12.706 at one degree of freedom.
+    assert lo < 1.03 < hi and hi - lo == pytest.approx(2 * 12.706 * 0.01, rel=1e-6)
+    assert rows["native-again"]["median_step_ratio"] == pytest.approx(1.0)
+    assert rows["native-again"]["runs_ci95"] is None, "one run has no interval over runs"
