@@ -247,7 +247,7 @@ def run_pair(workload, a_name, b_name, steps, batch, log_dir: Path, cpus=None) -
                       f"{ta[-1] * 1e3:.1f} / {tb[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
         out.update({"a_step_s": ta, "b_step_s": tb, "a_driver_s": da, "b_driver_s": db,
                     "a_driver_calls": ka, "b_driver_calls": kb})
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: a child gone before it read its "go"
         out["error"] = str(e)
     out["a_end"] = a.close()
     out["b_end"] = b.close()
