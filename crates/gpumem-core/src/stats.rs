@@ -211,18 +211,12 @@ impl MemoryStats {
     /// values, totals and counters add exactly; peaks add too, which makes the combined peak
     /// an upper bound of the true device-wide peak when several streams allocate.
     pub fn merge_blocks(&mut self, other: &MemoryStats) {
-        for (mine, theirs) in self
-            .block_arrays_mut()
-            .into_iter()
-            .zip(other.block_arrays())
-        {
-            for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
-                m.current += t.current;
-                m.peak += t.peak;
-                m.allocated += t.allocated;
-                m.freed += t.freed;
-            }
-        }
+        self.with_block_stats(other, |m, t| {
+            m.current += t.current;
+            m.peak += t.peak;
+            m.allocated += t.allocated;
+            m.freed += t.freed;
+        });
         self.num_alloc_retries += other.num_alloc_retries;
         self.num_ooms += other.num_ooms;
         self.num_sync_all_streams += other.num_sync_all_streams;
@@ -231,23 +225,25 @@ impl MemoryStats {
     /// Raises the block statistics' peaks of `self` to the current values of `now`: the peaks
     /// of a sum of parts (the two tiers of one stream), kept by what sees every change of it.
     pub fn track_peaks(&mut self, now: &MemoryStats) {
-        for (mine, theirs) in self.block_arrays_mut().into_iter().zip(now.block_arrays()) {
-            for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
-                m.peak = m.peak.max(t.current);
-            }
-        }
+        self.with_block_stats(now, |m, t| m.peak = m.peak.max(t.current));
     }
 
     /// Takes the block statistics' peaks from `tracked` (see [`MemoryStats::track_peaks`]) in
     /// place of the summed ones, never below the current value.
     pub fn use_peaks(&mut self, tracked: &MemoryStats) {
+        self.with_block_stats(tracked, |m, t| m.peak = t.peak.max(m.current));
+    }
+
+    /// Calls `f` with each block statistic of `self` (every array, every pool) and the same
+    /// statistic of `other`.
+    fn with_block_stats(&mut self, other: &MemoryStats, mut f: impl FnMut(&mut Stat, &Stat)) {
         for (mine, theirs) in self
             .block_arrays_mut()
             .into_iter()
-            .zip(tracked.block_arrays())
+            .zip(other.block_arrays())
         {
             for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
-                m.peak = t.peak.max(m.current);
+                f(m, t);
             }
         }
     }

@@ -189,11 +189,19 @@ impl Tiered {
         self.live = self.live.saturating_sub(size.unwrap_or(0));
     }
 
-    /// Both tiers' block statistics, summed; peaks as tracked once there are two.
-    fn merged_stats(&self) -> MemoryStats {
+    /// Both tiers' block statistics, summed, peaks included (each tier's own, added).
+    fn summed_stats(&self) -> MemoryStats {
         let mut st = self.first.stats();
         if let Some(s) = self.second.as_ref() {
             st.merge_blocks(&s.stats());
+        }
+        st
+    }
+
+    /// Both tiers' block statistics, summed; peaks as tracked once there are two.
+    fn merged_stats(&self) -> MemoryStats {
+        let mut st = self.summed_stats();
+        if self.second.is_some() {
             st.use_peaks(&self.peaks);
         }
         st
@@ -203,9 +211,8 @@ impl Tiered {
     /// block is handed out). Summing each tier's own peak would count blocks that were never
     /// live together: GPT-2's allocated peak read 31 GiB for 23 (H200, session 28).
     fn track_peaks(&mut self) {
-        if let Some(s) = self.second.as_ref() {
-            let mut now = self.first.stats();
-            now.merge_blocks(&s.stats());
+        if self.second.is_some() {
+            let now = self.summed_stats();
             self.peaks.track_peaks(&now);
         }
     }
