@@ -488,7 +488,10 @@ def child(args) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def run_child(workload, allocator, log_dir: Path, steps=None, batch=None, cap_bytes=None, timeout=300):
+def allocator_env(allocator):
+    """The environment of a child process that runs under `allocator`: PyTorch's allocator
+    settings cleared, then set for expandable segments or cudaMallocAsync, and GPUMEM_CONF
+    for a named gpumem variant."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("PYTORCH_ALLOC_CONF", None)
@@ -496,6 +499,11 @@ def run_child(workload, allocator, log_dir: Path, steps=None, batch=None, cap_by
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_ENV[allocator]
     if allocator in GPUMEM_VARIANTS:
         env["GPUMEM_CONF"] = GPUMEM_VARIANTS[allocator]
+    return env
+
+
+def run_child(workload, allocator, log_dir: Path, steps=None, batch=None, cap_bytes=None, timeout=300):
+    env = allocator_env(allocator)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", workload, "--allocator", allocator]
     if steps:
         cmd += ["--steps", str(steps)]

@@ -92,14 +92,9 @@ def child(args) -> None:
         dt = time.perf_counter() - t
         msg = {"s": dt}
         if gm:
-            after = gm.torch.driver_calls()
-            msg["driver_s"] = sum(v["seconds"] for v in after.values()) - sum(
-                v["seconds"] for v in before.values())
-            # The step's calls by kind: [calls, host seconds].
-            zero = {"calls": 0, "seconds": 0.0}
-            msg["driver"] = {k: [v["calls"] - before.get(k, zero)["calls"],
-                                 v["seconds"] - before.get(k, zero)["seconds"]]
-                             for k, v in after.items() if v["calls"] > before.get(k, zero)["calls"]}
+            # The step's calls by kind, [calls, host seconds], and their seconds in all.
+            (msg["driver"],) = bw.step_deltas([before, gm.torch.driver_calls()])
+            msg["driver_s"] = sum(secs for _, secs in msg["driver"].values())
         say(msg)
     stats = torch.cuda.memory_stats()
     end = {"end": True, "peak_held": stats.get("reserved_bytes.all.peak"),
@@ -160,12 +155,7 @@ class Side:
     """One child process and its replies."""
 
     def __init__(self, allocator: str, workload: str, steps: int, batch, log: Path, cpus=None):
-        env = dict(os.environ)
-        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if bw.ALLOC_ENV.get(allocator):
-            env["PYTORCH_CUDA_ALLOC_CONF"] = bw.ALLOC_ENV[allocator]
-        if allocator in bw.GPUMEM_VARIANTS:
-            env["GPUMEM_CONF"] = bw.GPUMEM_VARIANTS[allocator]
+        env = bw.allocator_env(allocator)
         cmd = [sys.executable, __file__, "--child", "--allocator", allocator, "--workload",
                workload, "--steps", str(steps)]
         if batch:
