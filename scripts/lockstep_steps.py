@@ -244,6 +244,12 @@ def run_pair(workload, a_name, b_name, steps, batch, log_dir: Path, cpus=None) -
     return out
 
 
+def interval(draws) -> list:
+    """The central 95 % of bootstrap draws: [low, high]."""
+    xs = sorted(draws)
+    return [xs[int(0.025 * len(xs))], xs[int(0.975 * len(xs)) - 1]]
+
+
 def summarize(r: dict, warmup: int) -> dict:
     ta, tb = r["a_step_s"][warmup:], r["b_step_s"][warmup:]
     ma, mb = statistics.median(ta), statistics.median(tb)
@@ -255,10 +261,6 @@ def summarize(r: dict, warmup: int) -> dict:
         idx = [rng.randrange(n) for _ in range(n)]
         boot.append(statistics.median(tb[i] for i in idx) / statistics.median(ta[i] for i in idx))
         boot_steps.append(statistics.median(ratios[i] for i in idx))
-
-    def interval(xs):
-        xs = sorted(xs)
-        return [xs[int(0.025 * len(xs))], xs[int(0.975 * len(xs)) - 1]]
 
     return {
         "timed_steps": n,
@@ -391,13 +393,13 @@ def pool(paths) -> list:
     for (workload, name), rs in sorted(runs.items()):
         steps = [x for ratios, _, _ in rs for x in ratios]
         n = len(steps)
-        boot = sorted(statistics.median(steps[rng.randrange(n)] for _ in range(n))
-                      for _ in range(BOOTSTRAP_DRAWS))
+        boot = [statistics.median(steps[rng.randrange(n)] for _ in range(n))
+                for _ in range(BOOTSTRAP_DRAWS)]
         rows.append({
             "workload": workload, "allocator": name, "runs": len(rs), "steps": n,
             "orders": sorted({o for _, _, o in rs}),
             "median_step_ratio": statistics.median(steps),
-            "median_step_ratio_ci95": [boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]],
+            "median_step_ratio_ci95": interval(boot),
             "per_run_median_step_ratio": [statistics.median(x) for x, _, _ in rs],
             # Runs differ by more than their steps say (each pair of processes has its own
             # placement in memory and on the host): the interval over runs is the honest one
