@@ -514,7 +514,6 @@ impl PolicyFactory {
                     let (make2, counted2) = stitched_maker(pool2.clone(), va, opts);
                     let switch = Arc::new(tiered::TierSwitch::new(
                         opts.big_after,
-                        opts.big_page,
                         make2,
                         shared,
                         pool2.clone(),

@@ -42,8 +42,6 @@ pub struct TierSwitch {
     switched: AtomicBool,
     /// Bytes the first tier held when it switched (0: not yet).
     held_at_switch: AtomicU64,
-    /// Bytes of a second-tier page.
-    big_page: u64,
     second: MakePolicy,
     /// The first tier's pages.
     first_pool: Arc<PagePool>,
@@ -53,10 +51,9 @@ pub struct TierSwitch {
 
 impl TierSwitch {
     /// A switch at `after` bytes held from the first tier's `first_pool` to second-tier
-    /// instances made by `second`, drawing pages of `big_page` bytes from `second_pool`.
+    /// instances made by `second`, drawing their (larger) pages from `second_pool`.
     pub fn new(
         after: u64,
-        big_page: u64,
         second: MakePolicy,
         first_pool: Arc<PagePool>,
         second_pool: Arc<PagePool>,
@@ -65,7 +62,6 @@ impl TierSwitch {
             after,
             switched: AtomicBool::new(false),
             held_at_switch: AtomicU64::new(0),
-            big_page,
             second,
             first_pool,
             second_pool,
@@ -111,7 +107,7 @@ impl TierSwitch {
                  from big_after {}); the first pages keep their blocks and take new ones only \
                  where their pages are still mapped, and go back to the device as they go idle",
                 crate::units::format_size(held),
-                crate::units::format_size(self.big_page),
+                crate::units::format_size(self.second_pool.page_bytes()),
                 crate::units::format_size(self.after),
             )
         })
@@ -281,7 +277,7 @@ impl Policy for Tiered {
         }
         // The second tier may make pages up to the bound less what the first still holds.
         let allowed = (bound as u64).saturating_sub(self.switch.first_pool.held_bytes())
-            / self.switch.big_page;
+            / self.switch.second_pool.page_bytes();
         self.switch.second_pool.allow(allowed);
         if self.second.is_none() {
             // The peaks so far are the first tier's alone.
