@@ -76,25 +76,37 @@ def child(args) -> None:
         import gpumem as gm
 
         gm.torch.install()  # GPUMEM_CONF from the parent for variants
+    # GPUMEM_BENCH_HOOK_TIME=1: gpumem's own host time per step (bench_workloads.py's clock,
+    # about 45 ns per call of its own).
+    hooks = gm is not None and os.environ.get("GPUMEM_BENCH_HOOK_TIME") == "1"
+    if hooks:
+        gm.torch.time_hooks(True)
     torch.cuda.init()
     torch.cuda.synchronize()
     say({"ready": True, "pid": os.getpid(), "backend": torch.cuda.get_allocator_backend()})
     steps = bw.make_workload(torch, args.workload, args.steps, args.batch)
     while sys.stdin.readline().strip() == "go":
         before = gm.torch.driver_calls() if gm else None
+        before_hooks = gm.torch.hook_time() if hooks else None
         t = time.perf_counter()
         try:
             next(steps)
         except StopIteration:
             say({"error": "the workload ended early"})
             return
+        # The host's part of the step: its kernels queued, before waiting for the GPU. Where
+        # the GPU waits for the host (small steps), a difference here is a difference in step.
+        launched = time.perf_counter() - t
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
-        msg = {"s": dt}
+        msg = {"s": dt, "launch_s": launched}
         if gm:
             # The step's calls by kind, [calls, host seconds], and their seconds in all.
             (msg["driver"],) = bw.step_deltas([before, gm.torch.driver_calls()])
             msg["driver_s"] = sum(secs for _, secs in msg["driver"].values())
+        if hooks:
+            # PyTorch's calls into gpumem by hook, [calls, host seconds].
+            (msg["hooks"],) = bw.step_deltas([before_hooks, gm.torch.hook_time()])
         say(msg)
     stats = torch.cuda.memory_stats()
     end = {"end": True, "peak_held": stats.get("reserved_bytes.all.peak"),
@@ -125,7 +137,8 @@ def selftest_child(args) -> None:
         t = time.perf_counter()
         time.sleep(base)
         done += 1
-        say({"s": time.perf_counter() - t, "driver_s": 0.0 if bw.is_gpumem(args.allocator) else None})
+        dt = time.perf_counter() - t
+        say({"s": dt, "launch_s": dt, "driver_s": 0.0 if bw.is_gpumem(args.allocator) else None})
     say({"end": True, "peak_held": None, "requested_peak": None})
 
 
@@ -222,21 +235,23 @@ def run_pair(workload, a_name, b_name, steps, batch, log_dir: Path, cpus=None) -
     try:
         for s in sides:
             s.read(timeout=300)  # ready: CUDA initialised
-        ta, tb, da, db, ka, kb = [], [], [], [], [], []
+        keys = {"step_s": "s", "launch_s": "launch_s", "driver_s": "driver_s",
+                "driver_calls": "driver", "hooks": "hooks"}
+        got = [{k: [] for k in keys}, {k: [] for k in keys}]
+        ta, tb = got[0]["step_s"], got[1]["step_s"]
         for i in range(steps):
             order = (0, 1) if i % 2 == 0 else (1, 0)
             for k in order:
                 s = sides[k]
                 s.send("go")
                 msg = s.read()
-                (ta if k == 0 else tb).append(msg["s"])
-                (da if k == 0 else db).append(msg.get("driver_s"))
-                (ka if k == 0 else kb).append(msg.get("driver"))
+                for key, field in keys.items():
+                    got[k][key].append(msg.get(field))
             if (i + 1) % 8 == 0 or i + 1 == steps:
                 print(f"  {workload} {a_name}:{b_name} step {i + 1}/{steps}: "
                       f"{ta[-1] * 1e3:.1f} / {tb[-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-        out.update({"a_step_s": ta, "b_step_s": tb, "a_driver_s": da, "b_driver_s": db,
-                    "a_driver_calls": ka, "b_driver_calls": kb})
+        for side, g in zip("ab", got):
+            out.update({f"{side}_{key}": v for key, v in g.items()})
     except (RuntimeError, OSError) as e:  # OSError: a child gone before it read its "go"
         out["error"] = str(e)
     out["a_end"] = a.close()
@@ -274,7 +289,17 @@ def summarize(r: dict, warmup: int) -> dict:
         "geomean_step_ratio": statistics.geometric_mean(ratios),
         "ratio_of_totals": sum(tb) / sum(ta),
         "b_driver_ms_per_step": b_driver_ms(r.get("b_driver_s"), warmup),
+        # The host's part of each step (queuing its work), B over A, step by step: where it
+        # moves with the step ratio, the difference is host work.
+        "median_launch_ratio": median_ratio(r.get("a_launch_s"), r.get("b_launch_s"), warmup),
     }
+
+
+def median_ratio(a, b, warmup):
+    """Median over the timed steps of b_i / a_i; None where a run did not record them."""
+    pairs = [(x, y) for x, y in zip((a or [])[warmup:], (b or [])[warmup:])
+             if x is not None and y is not None and x > 0]
+    return statistics.median(y / x for x, y in pairs) if pairs else None
 
 
 def b_driver_ms(driver_s, warmup):
@@ -447,8 +472,9 @@ def gib(x):
 def print_table(rows) -> None:
     print()
     print("| workload | round | A | B | A median ms | B median ms | B/A medians (95 % CI) "
-          "| median of step ratios (95 % CI) | B/A totals | B driver ms/step | held A / B GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| median of step ratios (95 % CI) | B/A totals | B/A host part | B driver ms/step "
+          "| held A / B GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['workload']} | {r.get('round')} | {r['a']} | {r['b']} | error: "
@@ -456,11 +482,13 @@ def print_table(rows) -> None:
             continue
         s = r["summary"]
         drv = f"{s['b_driver_ms_per_step']:.2f}" if s["b_driver_ms_per_step"] is not None else "-"
+        launch = s.get("median_launch_ratio")
+        launch = f"{launch:.4f}" if launch is not None else "-"
         print(f"| {r['workload']} | {r['round']} | {r['a']} | {r['b']} "
               f"| {s['a_median_s'] * 1e3:.1f} | {s['b_median_s'] * 1e3:.1f} "
               f"| {s['ratio_of_medians']:.4f} ({s['ci95'][0]:.4f}–{s['ci95'][1]:.4f}) "
               f"| {s['median_step_ratio']:.4f} ({s['median_step_ratio_ci95'][0]:.4f}–"
-              f"{s['median_step_ratio_ci95'][1]:.4f}) | {s['ratio_of_totals']:.4f} | {drv} "
+              f"{s['median_step_ratio_ci95'][1]:.4f}) | {s['ratio_of_totals']:.4f} | {launch} | {drv} "
               f"| {gib(r['a_end'].get('peak_held'))} / {gib(r['b_end'].get('peak_held'))} |")
 
 

@@ -192,6 +192,9 @@ def test_lockstep_pairs_each_step_and_sees_a_slower_side(tmp_path):
     assert slow["ci95"][0] <= slow["ratio_of_medians"] <= slow["ci95"][1]
     assert same["ratio_of_medians"] == pytest.approx(1.0, abs=0.03)
     assert rows[0]["b_driver_s"][0] == 0.0 and rows[0]["a_driver_s"][0] is None
+    # The self-test's host part is its whole step, so its ratio is the step's.
+    assert len(rows[0]["a_launch_s"]) == 10
+    assert slow["median_launch_ratio"] == pytest.approx(1.1, abs=0.03)
     assert "| selftest | 1 | native | gpumem |" in out.stdout
 
 

@@ -60,6 +60,7 @@ pub mod blocks;
 pub mod buddy;
 pub mod expandable;
 pub mod free_index;
+mod freed_ranges;
 mod live_map;
 pub mod segmented;
 pub mod shared_range;

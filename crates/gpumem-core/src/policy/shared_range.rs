@@ -32,6 +32,7 @@
 //! from then on its allocations go to a range of its own on the same page pool (see
 //! [`Spill`]). The shared range may take that range's idle pages, never the reverse.
 
+use super::freed_ranges::{Freed, FreedRanges};
 use super::stitched::{Order, PagePool, Stitched};
 use super::{Placement, Policy, SegmentInfo};
 use crate::backend::{DevPtr, EventHandle, Stream};
@@ -39,7 +40,7 @@ use crate::device::{Device, DeviceState};
 use crate::error::BackendError;
 use crate::stats::MemoryStats;
 use rustc_hash::FxHashMap;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -199,14 +200,6 @@ impl StreamClocks {
     }
 }
 
-/// A freed range: its end, the stream that freed it, and the pool epoch of the free.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Dirty {
-    end: u64,
-    stream: u32,
-    stamp: u64,
-}
-
 /// The one range and what the streams need to share it.
 pub struct SharedCore {
     pool: Arc<PagePool>,
@@ -220,16 +213,16 @@ pub struct SharedCore {
     /// Blocks freed while used on other streams: address -> size and the pool epoch of the
     /// free, until the engine releases them.
     pending: FxHashMap<DevPtr, (u64, u64)>,
-    /// Freed bytes another stream must wait for before using: start -> range. Disjoint.
-    dirty: BTreeMap<u64, Dirty>,
+    /// Freed bytes another stream must wait for before using. Disjoint.
+    dirty: FreedRanges,
     /// Several streams have come: `owner` and `dirty` are kept.
     shared: bool,
     /// Size of `dirty` at which the records known done are dropped.
     prune_at: usize,
     /// Scratch list of `Order::Shared`'s `moved_in`.
     moved_in: Vec<u32>,
-    /// Scratch list of the freed records a block overlaps (see `find_overlapping`).
-    over: Vec<(u64, Dirty)>,
+    /// Scratch list of `take_bytes`: each other stream to wait for, with its latest free there.
+    waits: Vec<(u32, u64)>,
 }
 
 impl SharedCore {
@@ -243,11 +236,11 @@ impl SharedCore {
             clocks: StreamClocks::default(),
             owner: FxHashMap::default(),
             pending: FxHashMap::default(),
-            dirty: BTreeMap::new(),
+            dirty: FreedRanges::default(),
             shared: false,
             prune_at: DIRTY_PRUNE_AT,
             moved_in: Vec::new(),
-            over: Vec::new(),
+            waits: Vec::new(),
         }
     }
 
@@ -277,7 +270,7 @@ impl SharedCore {
         self.dirty.clear();
         self.dirty.insert(
             0,
-            Dirty {
+            Freed {
                 end: u64::MAX,
                 stream: me,
                 stamp,
@@ -325,45 +318,29 @@ impl SharedCore {
         addr: u64,
         end: u64,
     ) -> Result<(), BackendError> {
-        self.find_overlapping(addr, end);
-        if self.over.is_empty() {
+        let over = self.dirty.overlapping(addr, end);
+        if over.is_empty() {
             return Ok(());
         }
+        // One wait per other stream, for its latest free among the records: the event that
+        // covers it covers the stream's earlier frees too (a stream's events complete in
+        // order), so a wait per record would only repeat it.
+        self.waits.clear();
+        for &(_, r) in over {
+            if r.stream == me {
+                continue;
+            }
+            match self.waits.iter_mut().find(|(t, _)| *t == r.stream) {
+                Some((_, stamp)) => *stamp = (*stamp).max(r.stamp),
+                None => self.waits.push((r.stream, r.stamp)),
+            }
+        }
         let to = Wait::Device(self.clocks.stream(me));
-        for &(_, r) in &self.over {
-            if r.stream != me {
-                self.clocks.settle(d, &self.pool, r.stream, r.stamp, to)?;
-            }
+        for &(t, stamp) in &self.waits {
+            self.clocks.settle(d, &self.pool, t, stamp, to)?;
         }
-        self.cut(addr, end);
+        self.dirty.cut(addr, end);
         Ok(())
-    }
-
-    /// Lists the freed records that overlap `[addr, end)` in `self.over` (a scratch list kept
-    /// between calls, so that listing allocates nothing).
-    fn find_overlapping(&mut self, addr: u64, end: u64) {
-        self.over.clear();
-        if let Some((&a, &r)) = self.dirty.range(..addr).next_back() {
-            if r.end > addr {
-                self.over.push((a, r));
-            }
-        }
-        self.over
-            .extend(self.dirty.range(addr..end).map(|(&a, &r)| (a, r)));
-    }
-
-    /// Removes `[addr, end)` from the records listed by `find_overlapping`, keeping their
-    /// parts outside it.
-    fn cut(&mut self, addr: u64, end: u64) {
-        for &(a, r) in &self.over {
-            self.dirty.remove(&a);
-            if a < addr {
-                self.dirty.insert(a, Dirty { end: addr, ..r });
-            }
-            if r.end > end {
-                self.dirty.insert(end, r);
-            }
-        }
     }
 
     /// Stream `me` freed `[addr, addr + size)`.
@@ -389,11 +366,9 @@ impl SharedCore {
         if !self.shared {
             return;
         }
-        self.find_overlapping(addr, addr + size);
-        self.cut(addr, addr + size);
         self.dirty.insert(
             addr,
-            Dirty {
+            Freed {
                 end: addr + size,
                 stream: me,
                 stamp,
@@ -401,7 +376,7 @@ impl SharedCore {
         );
         if self.dirty.len() > self.prune_at {
             let clocks = &self.clocks;
-            self.dirty.retain(|_, r| !clocks.is_done(r.stream, r.stamp));
+            self.dirty.retain(|r| !clocks.is_done(r.stream, r.stamp));
             self.prune_at = DIRTY_PRUNE_AT.max(2 * self.dirty.len());
         }
     }
@@ -530,7 +505,7 @@ impl SharedCore {
         };
         range.check()?;
         let mut last_end = 0;
-        for (&a, r) in &self.dirty {
+        for &(a, r) in self.dirty.iter() {
             if a < last_end || r.end <= a {
                 return Err(format!("freed records overlap or are empty at {a:#x}"));
             }
