@@ -24,7 +24,10 @@ sides (native:native-again) is the control: its ratio shows what is left of the 
 Both processes hold their memory on the GPU at once (GPT-2 with random lengths: 40 GiB under
 PyTorch's allocator, 23 GiB under gpumem's), so the workload must fit twice. Each process also
 reports its peak held and live bytes, and gpumem's processes the driver calls of each step, by
-kind, with their host time (read between steps, outside the timed span).
+kind, with their host time (read between steps, outside the timed span). Every process also
+reports each step's host part: the time until the step's work is queued, before it waits for
+the GPU. With GPUMEM_BENCH_HOOK_TIME=1, gpumem's processes time every call PyTorch makes into
+gpumem (about 45 ns per call of its own) and report them per step by hook.
 
 Workloads and allocator names are those of scripts/bench_workloads.py (gpumem variants with
 --variant NAME=CONF, as there). --cpus LIST runs both processes on the same CPUs. Results: a
