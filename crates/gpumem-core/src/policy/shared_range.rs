@@ -504,13 +504,7 @@ impl SharedCore {
             return Ok(());
         };
         range.check()?;
-        let mut last_end = 0;
-        for &(a, r) in self.dirty.iter() {
-            if a < last_end || r.end <= a {
-                return Err(format!("freed records overlap or are empty at {a:#x}"));
-            }
-            last_end = r.end;
-        }
+        self.dirty.check()?;
         for (&a, &s) in &self.owner {
             if s as usize >= self.clocks.clocks.len() {
                 return Err(format!("block {a:#x} belongs to no stream"));
