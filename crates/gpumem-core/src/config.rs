@@ -8,7 +8,7 @@
 //! | `fraction` | 0 < f ≤ 1 | cap on memory held, as a share of the device |
 //! | `cap` | bytes | cap on memory held |
 //! | `slack` | ≥ 0 | stitched: spare pages beyond the in-use peak, as a fraction of it |
-//! | `shared_spare` | 0..1 | stitched, several streams in one range: pages made rather than remapped while the pages held stay within this share of the range's live peak (default 0.015) |
+//! | `shared_spare` | 0..1 | stitched, several streams in one range: pages made rather than remapped while the pages held stay within this share of the range's live peak in requested bytes (default 0.02) |
 //! | `page` | bytes, a power of two (`16MiB`) | stitched: the physical page (one handle each), a multiple of the device's granularity (2 MiB): kernels stream faster over larger ones, blocks hold whole pages |
 //! | `big_page` | bytes, a power of two (default `16MiB`), or `off` | stitched: once the pool holds `big_after`, new blocks go to a second pool whose pages are this size (a large pool grows for a fraction of the driver calls; the blocks placed before stay on the first pages, which still take blocks that fit where their pages are mapped) |
 //! | `big_after` | bytes (default `8GiB`) | stitched: bytes held from which `big_page` applies |

@@ -693,7 +693,7 @@ fn threads_free_each_others_blocks(conf: &str) {
 }
 
 /// Once several streams place in one range, a virtual page that needs a page gets a new one
-/// rather than a remapped idle one while the pages held stay within `shared_spare` (1.5 % by
+/// rather than a remapped idle one while the pages held stay within `shared_spare` (2 % by
 /// default) of the range's live peak. A program with one stream, and `shared_spare:0`, remap
 /// the idle pages as before; stream order holds byte by byte either way.
 #[test]
@@ -710,7 +710,7 @@ fn streams_in_one_range_make_spare_pages_up_to_a_share_of_the_live_peak() {
         let held = t.alloc.held_bytes() / PAGE;
         let live_peak = 201;
         assert!(
-            held as f64 <= 1.015 * live_peak as f64,
+            held as f64 <= 1.02 * live_peak as f64,
             "{conf}: {held} pages held for a live peak of {live_peak}"
         );
         for z in [b, c] {
@@ -725,9 +725,13 @@ fn streams_in_one_range_make_spare_pages_up_to_a_share_of_the_live_peak() {
         assert_eq!(noted, held > 201, "{conf}: {:?}", t.alloc.policy_notes());
         (held, joined(&t.alloc))
     };
-    // Two streams: floor(1.015 x 201) = 204 pages, so four are made before a's 100 idle pages
-    // are remapped for the other 97.
-    assert_eq!(held_after("policy:stitched", S2), (204, true));
+    // Two streams: floor(1.02 x 201) = 205 pages, so five are made before a's 100 idle pages
+    // are remapped for the other 96.
+    assert_eq!(held_after("policy:stitched", S2), (205, true));
+    assert_eq!(
+        held_after("policy:stitched,shared_spare:0.015", S2),
+        (204, true)
+    );
     assert_eq!(
         held_after("policy:stitched,shared_spare:0", S2),
         (201, true)

@@ -389,6 +389,7 @@ impl SharedCore {
             moved_in: &mut self.moved_in,
             together: self.shared,
             live_peak: 0,
+            requested: size,
         };
         let range = self
             .range

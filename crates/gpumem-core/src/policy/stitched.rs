@@ -73,11 +73,14 @@ pub(crate) enum Order<'a> {
         moved_in: &'a mut Vec<u32>,
         /// Several streams place in the range (before the switch of `range:auto`, one).
         together: bool,
-        /// Peak bytes of the blocks live in the range, this request included, once several
-        /// streams place there (0 otherwise): the measure of the spare pages the pool may keep
-        /// instead of remapping ([`PolicyOptions::shared_spare`]). Set by the range where a
-        /// block needs pages, the only place the pool reads it.
+        /// Peak of the bytes asked for by the blocks live in the range (the sizes requested,
+        /// as the 1.02 bound counts them), this request included, once several streams place
+        /// there (0 otherwise): the measure of the spare pages the pool may keep instead of
+        /// remapping ([`PolicyOptions::shared_spare`]). Set by the range where a block needs
+        /// pages, the only place the pool reads it.
         live_peak: u64,
+        /// The bytes this request asked for (before rounding).
+        requested: u64,
     },
 }
 
@@ -1816,12 +1819,15 @@ impl Stitched {
         if let Order::Shared {
             together: true,
             live_peak,
+            requested,
             ..
         } = order
         {
-            // The range's live peak if this block were added now (`size` is rounded).
-            let live = &self.set.stats.allocated_bytes;
-            *live_peak = live.all_peak().max(live.all_current() + size);
+            // The range's live peak if this block were added now, in requested bytes: the
+            // spare pages then cannot take the pool past `1 + shared_spare` of what the
+            // program asked for, rounding of the block sizes included.
+            let live = &self.set.stats.requested_bytes;
+            *live_peak = live.all_peak().max(live.all_current() + *requested);
         }
         let claimed = self.pool.claim(self.shard, sp, l, dev, scratch, order);
         if claimed.is_err() {
