@@ -222,10 +222,22 @@ impl MemoryStats {
         self.num_sync_all_streams += other.num_sync_all_streams;
     }
 
-    /// Raises the block statistics' peaks of `self` to the current values of `now`: the peaks
-    /// of a sum of parts (the two tiers of one stream), kept by what sees every change of it.
-    pub fn track_peaks(&mut self, now: &MemoryStats) {
-        self.with_block_stats(now, |m, t| m.peak = m.peak.max(t.current));
+    /// Raises the block statistics' peaks of `self` to the current values `now`: the peaks of
+    /// a sum of parts (the two tiers of one stream), kept by what sees every change of it.
+    pub fn track_peaks(&mut self, now: &BlockCurrents) {
+        for (arr, [small, large]) in self.block_arrays_mut().into_iter().zip(now.0) {
+            arr.small_pool.peak = arr.small_pool.peak.max(small);
+            arr.large_pool.peak = arr.large_pool.peak.max(large);
+            arr.all.peak = arr.all.peak.max(small + large);
+        }
+    }
+
+    /// The current values of the block statistics, per pool.
+    pub fn block_currents(&self) -> BlockCurrents {
+        BlockCurrents(
+            self.block_arrays()
+                .map(|a| [a.small_pool.current, a.large_pool.current]),
+        )
     }
 
     /// Takes the block statistics' peaks from `tracked` (see [`MemoryStats::track_peaks`]) in
@@ -532,7 +544,44 @@ pub struct BlockStats {
     pub requested_bytes: Tally,
 }
 
+/// The current values of the block statistics, per pool (small, large), in the order of
+/// [`MemoryStats`]'s block arrays (allocation, active, inactive_split, and their bytes,
+/// requested_bytes): all that a sum of parts needs to keep its own peaks, without building
+/// whole [`MemoryStats`] at every allocation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockCurrents(pub [[i64; 2]; 7]);
+
+impl BlockCurrents {
+    /// Adds `other`'s values.
+    pub fn add(&mut self, other: &BlockCurrents) {
+        for (mine, theirs) in self.0.iter_mut().zip(&other.0) {
+            mine[0] += theirs[0];
+            mine[1] += theirs[1];
+        }
+    }
+}
+
 impl BlockStats {
+    /// The current values [`BlockStats::to_memory_stats`] reports, alone.
+    pub fn currents(&self) -> BlockCurrents {
+        let tally = |t: &Tally| [t.pools[0].current, t.pools[1].current];
+        let active = |p: &Pending, base: &Tally| {
+            [
+                base.pools[0].current + p.current[0],
+                base.pools[1].current + p.current[1],
+            ]
+        };
+        BlockCurrents([
+            tally(&self.allocation),
+            active(&self.active, &self.allocation),
+            tally(&self.inactive_split),
+            tally(&self.allocated_bytes),
+            active(&self.active_bytes, &self.allocated_bytes),
+            tally(&self.inactive_split_bytes),
+            tally(&self.requested_bytes),
+        ])
+    }
+
     /// A block of `bytes` (asked for `requested`) is handed out from `pool`.
     #[inline(always)]
     pub fn block_handed_out(&mut self, pool: Pool, bytes: u64, requested: u64) {
@@ -696,6 +745,8 @@ mod tests {
                 _ => {}
             }
             assert_eq!(fast.to_memory_stats(), full, "step {step}");
+            // The current values alone, as a sum of parts reads them at every allocation.
+            assert_eq!(fast.currents(), full.block_currents(), "step {step}");
         }
         assert!(full.active.all.peak > full.allocation.all.peak);
     }

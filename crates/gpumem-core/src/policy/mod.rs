@@ -38,6 +38,10 @@ macro_rules! block_set_queries {
             self.set.stats.to_memory_stats()
         }
 
+        fn block_currents(&self) -> $crate::stats::BlockCurrents {
+            self.set.stats.currents()
+        }
+
         fn reset_peaks(&mut self) {
             self.set.stats.reset_peaks();
         }
@@ -70,7 +74,7 @@ pub mod tiered;
 use crate::backend::{DevPtr, DeviceInfo, Stream};
 use crate::device::Device;
 use crate::error::BackendError;
-use crate::stats::{MemoryStats, Pool};
+use crate::stats::{BlockCurrents, MemoryStats, Pool};
 use serde::Serialize;
 use std::sync::Arc;
 
@@ -182,6 +186,12 @@ pub trait Policy: Send {
     /// Block statistics (allocation, active, inactive_split and their bytes, requested_bytes),
     /// read from the policy's [`crate::stats::BlockStats`].
     fn stats(&self) -> MemoryStats;
+
+    /// The current values of [`Policy::stats`]'s block statistics alone: what a wrapper that
+    /// sums policies needs at every allocation to keep the sum's peaks (see `tiered`).
+    fn block_currents(&self) -> BlockCurrents {
+        self.stats().block_currents()
+    }
 
     /// Resets the peaks of the block statistics.
     fn reset_peaks(&mut self);

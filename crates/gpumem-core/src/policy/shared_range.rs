@@ -38,7 +38,7 @@ use super::{Placement, Policy, SegmentInfo};
 use crate::backend::{DevPtr, EventHandle, Stream};
 use crate::device::{Device, DeviceState};
 use crate::error::BackendError;
-use crate::stats::MemoryStats;
+use crate::stats::{BlockCurrents, MemoryStats};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -919,6 +919,17 @@ impl Policy for SharedStitched {
             st.merge_blocks(&own.stats());
         }
         st
+    }
+
+    fn block_currents(&self) -> BlockCurrents {
+        let mut c = match (self.reports, self.core.lock().range.as_ref()) {
+            (true, Some(r)) => r.block_currents(),
+            _ => BlockCurrents::default(),
+        };
+        if let Some(own) = self.own.as_ref() {
+            c.add(&own.block_currents());
+        }
+        c
     }
 
     fn reset_peaks(&mut self) {
