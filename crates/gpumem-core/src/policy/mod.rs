@@ -421,9 +421,9 @@ pub const BIG_PAGE: u64 = 16 << 20;
 pub const BIG_AFTER: u64 = 8 << 30;
 
 /// Default of [`PolicyOptions::shared_spare`]: the 1.02 bound. On the prefetch pipeline 1.5 %
-/// still remapped a page every eight steps or so, 1.5 % of its step time on an H200, where 2 %
-/// makes no remap after warm-up for 1.0194 of live instead of 1.0149 (BENCHMARKS.md §3,
-/// session 31).
+/// still remapped a page every eight steps or so, 0.8-1.5 % of its step time on an H200 against
+/// 2 % run beside it, which makes no remap after warm-up for 1.0194 of live instead of 1.0149
+/// (BENCHMARKS.md §3, session 31).
 pub const SHARED_SPARE: f64 = 0.02;
 
 /// Shortest stretch of time (on the device's clock, microseconds) over which the stitched
