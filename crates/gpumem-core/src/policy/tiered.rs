@@ -207,11 +207,10 @@ impl Tiered {
     /// block is handed out). Summing each tier's own peak would count blocks that were never
     /// live together: GPT-2's allocated peak read 31 GiB for 23 (H200, session 28).
     fn track_peaks(&mut self) {
-        if let Some(s) = self.second.as_ref() {
+        if self.second.is_some() {
             // The current values alone: whole statistics of both tiers at every allocation
             // cost about 1,500 instructions (GPT-2 with random lengths, session 30).
-            let mut now = self.first.block_currents();
-            now.add(&s.block_currents());
+            let now = Policy::block_currents(self);
             self.peaks.track_peaks(&now);
         }
     }
