@@ -318,29 +318,33 @@ impl SharedCore {
         addr: u64,
         end: u64,
     ) -> Result<(), BackendError> {
-        let over = self.dirty.overlapping(addr, end);
-        if over.is_empty() {
-            return Ok(());
-        }
-        // One wait per other stream, for its latest free among the records: the event that
-        // covers it covers the stream's earlier frees too (a stream's events complete in
-        // order), so a wait per record would only repeat it.
-        self.waits.clear();
-        for &(_, r) in over {
-            if r.stream == me {
-                continue;
+        let Self {
+            dirty,
+            waits,
+            clocks,
+            pool,
+            ..
+        } = self;
+        dirty.cut_after(addr, end, |over| {
+            // One wait per other stream, for its latest free among the records: the event
+            // that covers it covers the stream's earlier frees too (a stream's events complete
+            // in order), so a wait per record would only repeat it.
+            waits.clear();
+            for &(_, r) in over {
+                if r.stream == me {
+                    continue;
+                }
+                match waits.iter_mut().find(|(t, _)| *t == r.stream) {
+                    Some((_, stamp)) => *stamp = (*stamp).max(r.stamp),
+                    None => waits.push((r.stream, r.stamp)),
+                }
             }
-            match self.waits.iter_mut().find(|(t, _)| *t == r.stream) {
-                Some((_, stamp)) => *stamp = (*stamp).max(r.stamp),
-                None => self.waits.push((r.stream, r.stamp)),
+            let to = Wait::Device(clocks.stream(me));
+            for &(t, stamp) in waits.iter() {
+                clocks.settle(d, pool, t, stamp, to)?;
             }
-        }
-        let to = Wait::Device(self.clocks.stream(me));
-        for &(t, stamp) in &self.waits {
-            self.clocks.settle(d, &self.pool, t, stamp, to)?;
-        }
-        self.dirty.cut(addr, end);
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Stream `me` freed `[addr, addr + size)`.
