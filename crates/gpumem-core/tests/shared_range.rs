@@ -297,6 +297,19 @@ fn join(into: &mut Clock, other: &Clock) {
     }
 }
 
+impl ByteAudit {
+    /// Frees `a` as PyTorch does, naming a stream (`free_on`), which may not be the one that
+    /// allocated it.
+    fn free_naming(&mut self, a: &Allocation, stream: Stream) {
+        self.log_events();
+        self.calls += 1;
+        self.released(a, self.calls);
+        self.alloc.free_on(a.ptr, stream).unwrap();
+        self.calls += 1;
+        self.log_events();
+    }
+}
+
 const S1: Stream = 0x7f00_0000_1000;
 const S2: Stream = 0x7f00_0000_2000;
 const MIB: u64 = 1 << 20;
@@ -338,6 +351,32 @@ fn bytes_another_stream_freed_are_reused_only_after_its_event() {
     let c = t.allocate(8 * MIB, S1);
     assert_eq!((c.ptr, t.handovers), (a.ptr, 8));
     t.free(&c, None);
+    t.alloc.check().unwrap();
+}
+
+/// A free that names another stream than the block's (a hand-written caller of the pluggable
+/// allocator's hooks) frees it as its own stream's: the stream named must still wait before
+/// it takes the bytes. (Each stream's handle answers only for the blocks it placed.)
+#[test]
+fn a_free_naming_another_stream_counts_as_the_owners() {
+    let mut t = ByteAudit::new(&format!("{SHARED},slack:0"), 1 << 30);
+    let other = t.allocate(2 * MIB, S2);
+    let a = t.allocate(8 * MIB, S1);
+    t.free_naming(&a, S2);
+    assert_eq!(
+        t.alloc.memory_stats().allocated_bytes.all.current,
+        2 * MIB as i64,
+        "freed"
+    );
+    let before = t.handovers;
+    let b = t.allocate(8 * MIB, S2);
+    assert_eq!(b.ptr, a.ptr, "the named stream reuses the block");
+    assert!(
+        t.handovers > before,
+        "through S1's event, checked by the audit"
+    );
+    t.free(&b, None);
+    t.free(&other, None);
     t.alloc.check().unwrap();
 }
 

@@ -52,6 +52,9 @@ const EVENTS_KEPT: usize = 64;
 /// (after that, whenever their number has doubled since the last time).
 const DIRTY_PRUNE_AT: usize = 4096;
 
+/// `SharedCore::owner`'s entry for a block id no stream has placed a block at.
+const NO_OWNER: u32 = u32::MAX;
+
 /// What a waiting call waits on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Wait {
@@ -207,9 +210,12 @@ pub struct SharedCore {
     /// The range's placement and pages (made when the first stream comes).
     range: Option<Stitched>,
     clocks: StreamClocks,
-    /// Live block address -> the stream index that allocated it (frees go through its
-    /// handle, and a handle answers only for its stream's blocks, as a per-stream pool does).
-    owner: FxHashMap<DevPtr, u32>,
+    /// The range's block id -> the stream index that allocated it, set when a block is
+    /// placed (frees go through its handle, and a handle answers only for its stream's
+    /// blocks, as a per-stream pool does). Indexed by block id rather than keyed by address,
+    /// so that a free through its handle checks it without a lookup; the entries of blocks no
+    /// longer live are stale and never read, as a free checks the block is live first.
+    owner: Vec<u32>,
     /// Blocks freed while used on other streams: address -> size and the pool epoch of the
     /// free, until the engine releases them.
     pending: FxHashMap<DevPtr, (u64, u64)>,
@@ -234,7 +240,7 @@ impl SharedCore {
             va_bytes,
             range: None,
             clocks: StreamClocks::default(),
-            owner: FxHashMap::default(),
+            owner: Vec::new(),
             pending: FxHashMap::default(),
             dirty: FreedRanges::default(),
             shared: false,
@@ -265,7 +271,13 @@ impl SharedCore {
     /// pool epoch `stamp` (when the range starts being shared: nothing was recorded before).
     fn all_freed_by(&mut self, me: u32, stamp: u64) {
         let range = self.range.as_ref().expect("made with the first stream");
-        self.owner = range.live_addrs().map(|a| (a, me)).collect();
+        let live: Vec<u32> = range
+            .live_addrs()
+            .filter_map(|a| range.live_at(a))
+            .collect();
+        for id in live {
+            self.set_owner(id, me);
+        }
         self.clocks.freed(me, stamp);
         self.dirty.clear();
         self.dirty.insert(
@@ -427,12 +439,28 @@ impl SharedCore {
             self.range().free_handle(p.handle, p.addr, dev)?;
             return Err(e);
         }
-        self.owner.insert(p.addr, me);
+        self.set_owner(p.handle, me);
         Ok(p)
     }
 
-    fn owns(&self, me: u32, addr: DevPtr) -> bool {
-        !self.shared || self.owner.get(&addr) == Some(&me)
+    /// Block `id` of the range is stream `me`'s.
+    fn set_owner(&mut self, id: u32, me: u32) {
+        let i = id as usize;
+        if i >= self.owner.len() {
+            self.owner.resize(i + 1, NO_OWNER);
+        }
+        self.owner[i] = me;
+    }
+
+    /// Whether the live block at `addr` (through handle `handle`, if given) is stream `me`'s
+    /// to free. A handle that is not the live block at `addr` is refused by the range's free
+    /// itself.
+    fn owns(&self, me: u32, addr: DevPtr, handle: Option<u32>) -> bool {
+        if !self.shared {
+            return true;
+        }
+        let id = handle.or_else(|| self.range.as_ref().and_then(|r| r.live_at(addr)));
+        id.is_some_and(|id| self.owner.get(id as usize) == Some(&me))
     }
 
     fn free(
@@ -442,7 +470,7 @@ impl SharedCore {
         addr: DevPtr,
         dev: &Device,
     ) -> Result<Option<u64>, BackendError> {
-        if !self.owns(me, addr) {
+        if !self.owns(me, addr, handle) {
             return Ok(None);
         }
         let freed = match handle {
@@ -450,9 +478,6 @@ impl SharedCore {
             None => self.range().free(addr, dev)?,
         };
         if let Some(size) = freed {
-            if self.shared {
-                self.owner.remove(&addr);
-            }
             self.freed(me, addr, size);
         }
         Ok(freed)
@@ -466,7 +491,7 @@ impl SharedCore {
     /// pipeline's side stream queues the next batch's copy meanwhile: the compute stream would
     /// wait for that copy, which is meant to overlap its work.)
     fn free_requested(&mut self, me: u32, addr: DevPtr, dev: &Device) -> Option<u64> {
-        if !self.owns(me, addr) {
+        if !self.owns(me, addr, None) {
             return None;
         }
         let size = self.range().free_requested(addr, dev)?;
@@ -480,14 +505,13 @@ impl SharedCore {
     }
 
     fn release(&mut self, me: u32, addr: DevPtr, dev: &Device) -> Result<(), BackendError> {
-        if !self.owns(me, addr) {
+        if !self.owns(me, addr, None) {
             return Ok(());
         }
         let Some((size, stamp)) = self.pending.remove(&addr) else {
             return Ok(());
         };
         self.range().release(addr, dev)?;
-        self.owner.remove(&addr);
         // The other streams that used it are done; its own stream may not be.
         self.freed_at(me, addr, size, stamp);
         Ok(())
@@ -510,9 +534,15 @@ impl SharedCore {
         };
         range.check()?;
         self.dirty.check()?;
-        for (&a, &s) in &self.owner {
-            if s as usize >= self.clocks.clocks.len() {
-                return Err(format!("block {a:#x} belongs to no stream"));
+        if self.shared {
+            for a in range.live_addrs() {
+                let s = range
+                    .live_at(a)
+                    .and_then(|id| self.owner.get(id as usize))
+                    .copied();
+                if s.is_none_or(|s| s as usize >= self.clocks.clocks.len()) {
+                    return Err(format!("block {a:#x} belongs to no stream"));
+                }
             }
         }
         Ok(())
@@ -973,7 +1003,7 @@ impl Policy for SharedStitched {
             return own.is_allocated(addr);
         }
         let c = self.core.lock();
-        c.owns(self.me, addr) && c.range.as_ref().is_some_and(|r| r.is_allocated(addr))
+        c.owns(self.me, addr, None) && c.range.as_ref().is_some_and(|r| r.is_allocated(addr))
     }
 
     fn is_allocated_handle(&self, handle: u32, addr: DevPtr) -> bool {
@@ -981,7 +1011,7 @@ impl Policy for SharedStitched {
             return own.is_allocated_handle(handle, addr);
         }
         let c = self.core.lock();
-        c.owns(self.me, addr)
+        c.owns(self.me, addr, Some(handle))
             && c.range
                 .as_ref()
                 .is_some_and(|r| r.is_allocated_handle(handle, addr))

@@ -1712,6 +1712,12 @@ impl Stitched {
         self.set.live_addrs()
     }
 
+    /// The live (allocated or pending) block at `addr`: its handle.
+    #[inline]
+    pub(crate) fn live_at(&self, addr: u64) -> Option<u32> {
+        self.set.live_at(addr)
+    }
+
     /// The addresses of virtual page `v`.
     pub(crate) fn page_span(&self, v: u32) -> (u64, u64) {
         let start = self.base + ((v as u64) << self.shift);
