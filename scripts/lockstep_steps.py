@@ -33,7 +33,9 @@ Workloads and allocator names are those of scripts/bench_workloads.py (gpumem va
 --variant NAME=CONF, as there). --cpus LIST runs both processes on the same CPUs. Results: a
 table on stdout (last), JSON lines in $OUT/lockstep.jsonl (or --out DIR). Runs in both orders
 (native:gpumem and gpumem:native), and from several calls, are pooled per workload and
-allocator with `--pool FILE...`: every step's ratio of the allocator's time over native's.
+allocator with `--pool FILE...`: every step's ratio of the allocator's time over native's. The
+pooled median's interval is given twice: resampling steps, and resampling whole runs (runs of
+one workload differ by more than their steps say; the second is the one to judge a target by).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import bench_workloads as bw  # noqa: E402  (same folder: the workloads and allo
 
 STEP_TIMEOUT_S = 180.0
 BOOTSTRAP_DRAWS = 2000
+RUN_BOOTSTRAP_DRAWS = 1000
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,11 +426,19 @@ def pool(paths) -> list:
         n = len(steps)
         boot = [statistics.median(steps[rng.randrange(n)] for _ in range(n))
                 for _ in range(BOOTSTRAP_DRAWS)]
+        # Resampling whole runs (a cluster bootstrap) keeps each run's own level, which the
+        # steps' resampling treats as if every step were drawn afresh: the honest interval of
+        # the pooled median for "this workload, run again". Fewer draws: each draw is a median
+        # over all the steps.
+        m = len(rs)
+        run_boot = [statistics.median([x for _ in range(m) for x in rs[rng.randrange(m)][0]])
+                    for _ in range(RUN_BOOTSTRAP_DRAWS)] if m > 1 else None
         rows.append({
             "workload": workload, "allocator": name, "runs": len(rs), "steps": n,
             "orders": sorted({o for _, _, o in rs}),
             "median_step_ratio": statistics.median(steps),
             "median_step_ratio_ci95": interval(boot),
+            "median_step_ratio_runs_ci95": interval(run_boot) if run_boot else None,
             "per_run_median_step_ratio": [statistics.median(x) for x, _, _ in rs],
             # Runs differ by more than their steps say (each pair of processes has its own
             # placement in memory and on the host): the interval over runs is the honest one
@@ -453,18 +464,23 @@ def run_interval(xs):
 
 
 def print_pooled(rows) -> None:
-    print("| workload | allocator ÷ native | runs (orders) | steps | median of step ratios (95 % CI) "
-          "| per run (mean, 95 % CI over runs) | ratio of medians, per run (geometric mean) |")
+    print("| workload | allocator ÷ native | runs (orders) | steps | median of step ratios (95 % CI "
+          "over steps; over runs) | per run (mean, 95 % CI over runs) "
+          "| ratio of medians, per run (geometric mean) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         lo, hi = r["median_step_ratio_ci95"]
+        ci = f"{lo:.4f}–{hi:.4f}"
+        if r.get("median_step_ratio_runs_ci95"):
+            rlo, rhi = r["median_step_ratio_runs_ci95"]
+            ci += f"; {rlo:.4f}–{rhi:.4f}"
         per_run = ", ".join(f"{x:.4f}" for x in r["per_run_median_step_ratio"])
         if r["runs_ci95"]:
             a, b = r["runs_ci95"]
             per_run += f" ({statistics.mean(r['per_run_median_step_ratio']):.4f}, {a:.4f}–{b:.4f})"
         rom = ", ".join(f"{x:.4f}" for x in r["per_run_ratio_of_medians"])
         print(f"| {r['workload']} | {r['allocator']} | {r['runs']} ({len(r['orders'])}) | {r['steps']} "
-              f"| {r['median_step_ratio']:.4f} ({lo:.4f}–{hi:.4f}) | {per_run} "
+              f"| {r['median_step_ratio']:.4f} ({ci}) | {per_run} "
               f"| {rom} ({r['geomean_ratio_of_medians']:.4f}) |")
 
 

@@ -245,3 +245,11 @@ def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path):
     assert lo < 1.03 < hi and hi - lo == pytest.approx(2 * 12.706 * 0.01, rel=1e-6)
     assert rows["native-again"]["median_step_ratio"] == pytest.approx(1.0)
     assert rows["native-again"]["runs_ci95"] is None, "one run has no interval over runs"
+    # Resampling whole runs: each draw pools two runs picked from {1.02, 1.04} (three steps
+    # each), so its median is 1.02 or 1.04 when both picks agree and between them otherwise;
+    # resampling steps alone gives a narrower interval around the pooled median.
+    rlo, rhi = g["median_step_ratio_runs_ci95"]
+    assert rlo == pytest.approx(1.02) and rhi == pytest.approx(1.04)
+    slo, shi = g["median_step_ratio_ci95"]
+    assert rlo <= slo <= shi <= rhi
+    assert rows["native-again"]["median_step_ratio_runs_ci95"] is None
