@@ -470,6 +470,12 @@ impl SharedCore {
         addr: DevPtr,
         dev: &Device,
     ) -> Result<Option<u64>, BackendError> {
+        // A free by address (PyTorch's) looks its block up once: the owner check and the free
+        // then go through the handle found.
+        let handle = match handle {
+            None if self.shared => self.range.as_ref().and_then(|r| r.live_at(addr)),
+            h => h,
+        };
         if !self.owns(me, addr, handle) {
             return Ok(None);
         }
