@@ -5,7 +5,8 @@
 # noise hides a few hundred instructions.
 #
 # Method: callgrind's inclusive counts of the engine's `Allocator::place` and
-# `Allocator::free_allocation`, less `PagePool::claim_slow` (mapping pages while the pool grows,
+# `Allocator::free_allocation` (`Allocator::free_on` with --free-by-address, which frees as
+# PyTorch's hooks do), less `PagePool::claim_slow` (mapping pages while the pool grows,
 # which a settled step does not do), divided by the trace's allocations. Loading and checking
 # the trace are left out by construction. Two builds of the same code differ by up to about 50
 # per pair (code layout).
@@ -14,6 +15,7 @@
 #     bash scripts/instr_replay.sh BINARY TRACE [REPLAY ARGS...]
 # e.g. bash scripts/instr_replay.sh target/release/gpumem ../shared/traces/prefetch_mlp.pickle.gz
 #      bash scripts/instr_replay.sh target/release/gpumem TRACE --gpu-lag-ms 10
+#      bash scripts/instr_replay.sh target/release/gpumem TRACE --free-by-address
 # Prints: place, free and claim_slow per allocation, then their sum less claim_slow per pair.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +32,7 @@ callgrind_annotate --inclusive=yes "$out" 2>/dev/null | python3 -c '
 import re, sys
 allocs = int(sys.argv[1])
 wanted = {"engine::Allocator::place": "place", "engine::Allocator::free_allocation": "free",
-          "PagePool::claim_slow": "claim_slow"}
+          "engine::Allocator::free_on": "free", "PagePool::claim_slow": "claim_slow"}
 found = {}
 for line in sys.stdin:
     m = re.match(r"\s*([\d,]+) \(.*?\)\s+(\S+) \[", line)

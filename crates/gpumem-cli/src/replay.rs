@@ -56,6 +56,10 @@ pub struct ReplayArgs {
     /// where a layout that keeps moving pays its driver calls.
     #[arg(long)]
     remap_sites: bool,
+    /// Free by address and stream, as PyTorch's allocator hooks do, instead of through each
+    /// allocation's handle (the same placements; each free looks its block up).
+    #[arg(long)]
+    free_by_address: bool,
 }
 
 /// Where a replay runs.
@@ -144,6 +148,7 @@ fn sim_only_flags(a: &ReplayArgs) -> Vec<&'static str> {
         ("--device-memory", a.device_memory.is_some()),
         ("--gpu-lag-ms", a.gpu_lag_ms.is_some()),
         ("--remap-sites", a.remap_sites),
+        ("--free-by-address", a.free_by_address),
     ]
     .into_iter()
     .filter_map(|(name, given)| given.then_some(name))
@@ -188,6 +193,7 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         config: Config::parse(&a.conf).map_err(|e| e.to_string())?,
         timeline_points: if a.plot.is_some() { 2000 } else { 0 },
         remap_sites: a.remap_sites,
+        free_by_address: a.free_by_address,
         ..ReplayOptions::default()
     };
     if let Some(m) = a.device_memory {

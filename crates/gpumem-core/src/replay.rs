@@ -155,6 +155,10 @@ pub struct ReplayOptions {
     pub gpu_lag_us: Option<u64>,
     /// Record which allocations remapped pages ([`PolicyResult::remap_sites`]).
     pub remap_sites: bool,
+    /// Free by address and stream, as PyTorch's allocator hooks do (`Allocator::free_on`),
+    /// instead of through the allocation's handle: the same placements, but each free looks
+    /// its block up as a real PyTorch program's does.
+    pub free_by_address: bool,
 }
 
 /// A function given the allocator at the end of a replay.
@@ -170,6 +174,7 @@ impl Default for ReplayOptions {
             at_end: None,
             gpu_lag_us: None,
             remap_sites: false,
+            free_by_address: false,
         }
     }
 }
@@ -294,6 +299,14 @@ pub fn replay_on(
     let mut cfg = opts.config.clone();
     cfg.policy = policy;
     let alloc = Allocator::new(backend, cfg)?;
+    let by_address = opts.free_by_address;
+    let free = |alloc: &Allocator, a: &Allocation| {
+        if by_address {
+            alloc.free_on(a.ptr, a.stream)
+        } else {
+            alloc.free_allocation(a)
+        }
+    };
     let fidelity_wanted = policy == PolicyKind::Native && trace.has_segment_events();
     if fidelity_wanted {
         alloc.device().lock().log_segments(true);
@@ -345,7 +358,7 @@ pub fn replay_on(
                 let key = (e.stream, e.addr);
                 let lost = free_completed(key, &mut blocks, &mut waiting, &events, &mut live_now);
                 if let Some(old) = lost {
-                    match alloc.free_allocation(&old) {
+                    match free(&alloc, &old) {
                         // Already freed by the trace, its completion the missing part.
                         Ok(())
                         | Err(AllocError::UnknownPointer { .. })
@@ -401,15 +414,15 @@ pub fn replay_on(
                         // where the trace's free_completed is.
                         ctl.take_recorded();
                         alloc.record_stream(a.ptr, OTHER_STREAM)?;
-                        alloc.free_allocation(&a)?;
+                        free(&alloc, &a)?;
                         let evs = ctl.take_recorded().into_iter().map(|(h, _)| h).collect();
                         waiting.insert((e.stream, e.addr), evs);
                     }
                     (None, false) => {
                         alloc.record_stream(a.ptr, OTHER_STREAM)?;
-                        alloc.free_allocation(&a)?;
+                        free(&alloc, &a)?;
                     }
-                    (_, true) => alloc.free_allocation(&a)?,
+                    (_, true) => free(&alloc, &a)?,
                 }
             }
             Kind::FreeCompleted => {
