@@ -404,7 +404,8 @@ fn remap_sites_name_the_allocations_that_unmap_pages_without_changing_the_replay
 
 /// Freeing by address and stream, as PyTorch's hooks do, places and maps exactly as freeing
 /// through the handles: the two-stream prefetch trace (a shared range, blocks used on the
-/// other stream) gives the same memory, driver calls and host waits either way.
+/// other stream) gives the same memory and the same driver calls, by kind and by quarter,
+/// either way.
 #[test]
 fn frees_by_address_replay_as_frees_by_handle() {
     let t = load("prefetch_mlp");

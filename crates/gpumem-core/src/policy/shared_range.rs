@@ -213,8 +213,9 @@ pub struct SharedCore {
     /// The range's block id -> the stream index that allocated it, set when a block is
     /// placed (frees go through its handle, and a handle answers only for its stream's
     /// blocks, as a per-stream pool does). Indexed by block id rather than keyed by address,
-    /// so that a free through its handle checks it without a lookup; the entries of blocks no
-    /// longer live are stale and never read, as a free checks the block is live first.
+    /// so that a free through its handle checks it without a lookup. Entries of ids with no
+    /// live block are stale; whatever they say, the range itself refuses a free through such
+    /// an id.
     owner: Vec<u32>,
     /// Blocks freed while used on other streams: address -> size and the pool epoch of the
     /// free, until the engine releases them.
