@@ -87,6 +87,17 @@ fn simulator_flags_are_refused_on_the_gpu() {
         e.contains("--remap-sites applies to the simulated device only"),
         "{e}"
     );
+    let out = gpumem()
+        .arg("replay")
+        .arg(&mlp)
+        .args(["--device", "cuda", "--free-by-address"])
+        .output()
+        .unwrap();
+    let e = stderr(&out);
+    assert!(
+        e.contains("--free-by-address applies to the simulated device only"),
+        "{e}"
+    );
 }
 
 #[test]
