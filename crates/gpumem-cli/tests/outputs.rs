@@ -65,39 +65,24 @@ fn simulator_flags_are_refused_on_the_gpu() {
         e.contains("--plot, --gpu-lag-ms apply to the simulated device only"),
         "{e}"
     );
-    let out = gpumem()
-        .arg("replay")
-        .arg(&mlp)
-        .args(["--device", "cuda", "--device-memory", "80GiB"])
-        .output()
-        .unwrap();
-    let e = stderr(&out);
-    assert!(
-        e.contains("--device-memory applies to the simulated device only"),
-        "{e}"
-    );
-    let out = gpumem()
-        .arg("replay")
-        .arg(&mlp)
-        .args(["--device", "cuda", "--remap-sites"])
-        .output()
-        .unwrap();
-    let e = stderr(&out);
-    assert!(
-        e.contains("--remap-sites applies to the simulated device only"),
-        "{e}"
-    );
-    let out = gpumem()
-        .arg("replay")
-        .arg(&mlp)
-        .args(["--device", "cuda", "--free-by-address"])
-        .output()
-        .unwrap();
-    let e = stderr(&out);
-    assert!(
-        e.contains("--free-by-address applies to the simulated device only"),
-        "{e}"
-    );
+    for (flag, args) in [
+        ("--device-memory", &["--device-memory", "80GiB"][..]),
+        ("--remap-sites", &["--remap-sites"][..]),
+        ("--free-by-address", &["--free-by-address"][..]),
+    ] {
+        let out = gpumem()
+            .arg("replay")
+            .arg(&mlp)
+            .args(["--device", "cuda"])
+            .args(args)
+            .output()
+            .unwrap();
+        let e = stderr(&out);
+        assert!(
+            e.contains(&format!("{flag} applies to the simulated device only")),
+            "{e}"
+        );
+    }
 }
 
 #[test]

@@ -872,6 +872,20 @@ impl SharedStitched {
     fn owns_at(&self, addr: DevPtr) -> Option<&Stitched> {
         self.own.as_ref().filter(|o| o.holds(addr))
     }
+
+    /// A figure of this handle's blocks (`of`, read from a range): the shared range's if this
+    /// handle reports it, with its own range's added (`add`). Statistics and their current
+    /// values are summed the same way.
+    fn reported<T: Default>(&self, of: impl Fn(&Stitched) -> T, add: impl Fn(&mut T, T)) -> T {
+        let mut t = match (self.reports, self.core.lock().range.as_ref()) {
+            (true, Some(r)) => of(r),
+            _ => T::default(),
+        };
+        if let Some(own) = self.own.as_ref() {
+            add(&mut t, of(own));
+        }
+        t
+    }
 }
 
 impl Policy for SharedStitched {
@@ -952,25 +966,11 @@ impl Policy for SharedStitched {
     }
 
     fn stats(&self) -> MemoryStats {
-        let mut st = match (self.reports, self.core.lock().range.as_ref()) {
-            (true, Some(r)) => r.stats(),
-            _ => MemoryStats::default(),
-        };
-        if let Some(own) = self.own.as_ref() {
-            st.merge_blocks(&own.stats());
-        }
-        st
+        self.reported(|r| r.stats(), |st, own| st.merge_blocks(&own))
     }
 
     fn block_currents(&self) -> BlockCurrents {
-        let mut c = match (self.reports, self.core.lock().range.as_ref()) {
-            (true, Some(r)) => r.block_currents(),
-            _ => BlockCurrents::default(),
-        };
-        if let Some(own) = self.own.as_ref() {
-            c.add(&own.block_currents());
-        }
-        c
+        self.reported(|r| r.block_currents(), |c, own| c.add(&own))
     }
 
     fn reset_peaks(&mut self) {
