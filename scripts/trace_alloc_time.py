@@ -19,12 +19,21 @@ what the sequence needs, as the steps of a long run do. What the recording never
 workload; everything else each pass frees as the recording did. Each pass is timed in CHUNKS
 parts of equal op count (the first chunks of the first pass are where the pool grows).
 
+With --cold-kib N each op instead runs on its recorded stream and is timed alone, after N KiB
+of other memory have been written (gpumem_torch_run_trace_cold): in a training step, kernel
+launches, PyTorch's dispatch and Python run between two allocator calls, so each call finds the
+allocator's data out of the core's private caches. gpumem's calls take about 650 ns each in the
+prefetch pipeline's step against about 240 ns back to back (BENCHMARKS.md §3): what the
+allocator costs a real step is its cost from cold caches. The table then gives ns per
+allocation and per free (the clock's own cost per op taken off), each run's later passes'
+median, beside the median native run's, and with --trace-steps the difference in µs per step.
+
 Needs a CUDA GPU, PyTorch with CUDA, a C++ compiler and ninja (torch.utils.cpp_extension), and
 for the gpumem rows the gpumem package on PYTHONPATH.
 
 Usage:
     python3 scripts/trace_alloc_time.py TRACE [--allocators native,gpumem] [--variant NAME=CONF]
-        [--passes 3] [--chunks 16] [--repeat 2] [--trace-steps 16] [--out DIR]
+        [--passes 3] [--chunks 16] [--repeat 2] [--trace-steps 16] [--cold-kib 4096] [--out DIR]
 """
 import argparse
 import array
@@ -54,7 +63,8 @@ def read_snapshot(path):
 
 
 def ops_from_snapshot(snap, device=0):
-    """The snapshot's allocations and frees as (sizes, slots, n_slots, streams, persistent).
+    """The snapshot's allocations and frees as (sizes, slots, n_slots, streams, persistent,
+    stream_of).
 
     sizes[i] > 0: allocate that many bytes into slots[i]; 0: free slots[i]. A free is the
     user's (`free_requested`, when PyTorch's caller let go), not the allocator's later
@@ -63,11 +73,14 @@ def ops_from_snapshot(snap, device=0):
     are zero-byte allocations (PyTorch does not ask the allocator for those). Slots are reused
     lowest first, so n_slots is the most blocks live at once. persistent[i] is True for an
     allocation the recording never frees (weights, optimizer state): later passes leave it
-    out, so that it is made once and stays, as in the workload's own later steps."""
+    out, so that it is made once and stays, as in the workload's own later steps. streams is
+    the set of the trace's streams; stream_of[i] the index of op i's stream in the order the
+    trace first uses them (a free runs on its allocation's stream)."""
     traces = snap.get("device_traces") if isinstance(snap, dict) else None
     if not traces or device >= len(traces):
         raise ValueError(f"the snapshot has no allocation trace for device {device}")
     sizes, slots, streams = array.array("q"), array.array("q"), set()
+    stream_of, stream_index, addr_stream = array.array("q"), {}, {}
     by_addr, free_slots, n_slots = {}, [], 0
     alloc_op = {}  # address -> index of its allocation op
     persistent = []
@@ -91,7 +104,11 @@ def ops_from_snapshot(snap, device=0):
             sizes.append(size)
             slots.append(slot)
             persistent.append(True)
-            streams.add(e.get("stream", 0))
+            stream = e.get("stream", 0)
+            streams.add(stream)
+            index = stream_index.setdefault(stream, len(stream_index))
+            addr_stream[addr] = index
+            stream_of.append(index)
         elif action == frees:
             slot = by_addr.pop(e["addr"], None)
             if slot is None:
@@ -100,10 +117,11 @@ def ops_from_snapshot(snap, device=0):
             sizes.append(0)
             slots.append(slot)
             persistent.append(False)
+            stream_of.append(addr_stream.pop(e["addr"]))
             heapq.heappush(free_slots, slot)
     if not sizes:
         raise ValueError("the snapshot's trace has no allocation")
-    return sizes, slots, n_slots, streams, persistent
+    return sizes, slots, n_slots, streams, persistent, stream_of
 
 
 def build_extension(build_dir):
@@ -117,6 +135,12 @@ def build_extension(build_dir):
     lib.gpumem_torch_run_trace.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+    ]
+    lib.gpumem_torch_run_trace_cold.restype = ctypes.c_double
+    lib.gpumem_torch_run_trace_cold.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p,
+        ctypes.c_int,
     ]
     return lib
 
@@ -144,30 +168,44 @@ def child(args):
     with open(args.ops, "rb") as f:
         meta = json.loads(f.readline())
         for n in (meta["n_ops"], meta["n_later"]):  # the first pass's ops, then the later ones'
-            sizes, slots = array.array("q"), array.array("q")
+            sizes, slots, stream_of = array.array("q"), array.array("q"), array.array("q")
             sizes.frombytes(f.read(8 * n))
             slots.frombytes(f.read(8 * n))
-            seqs.append((sizes, slots))
+            stream_of.frombytes(f.read(8 * n))
+            seqs.append((sizes, slots, stream_of))
     torch.cuda.init()
     chunk_ns = (ctypes.c_double * args.chunks)()
     err = ctypes.create_string_buffer(1024)
     passes = []
+    sums = (ctypes.c_double * 3)()
     for i in range(args.passes):
-        sizes, slots = seqs[min(i, 1)]
+        sizes, slots, stream_of = seqs[min(i, 1)]
         n = len(sizes)
         d0 = driver_seconds(gt) if gt else 0.0
         h0 = hook_seconds(gt) if gt else 0.0
         # The first pass keeps what the recording never frees; later passes leave it out.
-        total = lib.gpumem_torch_run_trace(sizes.buffer_info()[0], slots.buffer_info()[0], n,
-                                           meta["n_slots"], args.chunks, int(i == 0), chunk_ns,
-                                           err, len(err))
+        cold = None
+        if args.cold_kib:
+            total = lib.gpumem_torch_run_trace_cold(
+                sizes.buffer_info()[0], slots.buffer_info()[0], stream_of.buffer_info()[0], n,
+                meta["n_slots"], meta["n_streams"], args.cold_kib << 10, int(i == 0), sums,
+                err, len(err))
+            allocs = sum(1 for s in sizes if s > 0)
+            cold = {"alloc_ns": sums[0] / allocs, "free_ns": sums[1] / max(1, n - allocs),
+                    "clock_ns": sums[2], "allocs": allocs, "frees": n - allocs}
+            chunk_ns[0] = total
+        else:
+            total = lib.gpumem_torch_run_trace(sizes.buffer_info()[0], slots.buffer_info()[0], n,
+                                               meta["n_slots"], args.chunks, int(i == 0),
+                                               chunk_ns, err, len(err))
         if total < 0:
             raise SystemExit(f"{args.allocator}: " + err.value.decode(errors="replace"))
         passes.append({
+            "cold": cold,
             "ops": n,
             "ms": total / 1e6,
             "ns_per_op": total / n,
-            "chunk_ms": [c / 1e6 for c in chunk_ns],
+            "chunk_ms": [c / 1e6 for c in chunk_ns][:1 if cold else args.chunks],
             "driver_ms": (driver_seconds(gt) - d0) * 1e3 if gt else None,
             "hook_ms": (hook_seconds(gt) - h0) * 1e3 if gt else None,
         })
@@ -179,7 +217,8 @@ def child(args):
 def run_child(args, name, conf, ops_path, build_dir):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--conf", conf or "",
            "--ops", ops_path, "--build-dir", build_dir, "--passes", str(args.passes),
-           "--chunks", str(args.chunks), "--timeout", str(args.timeout), args.trace]
+           "--chunks", str(args.chunks), "--timeout", str(args.timeout),
+           "--cold-kib", str(args.cold_kib), args.trace]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -245,6 +284,43 @@ def render(results, trace_steps):
     return "\n".join(lines)
 
 
+def cold_summary(run):
+    """A cold run's later passes' medians: ns per allocation and per free, the clock's own
+    cost taken off, and the pass's ops."""
+    later = [p["cold"] for p in run["passes"][1:]] or [run["passes"][0]["cold"]]
+    med = {k: statistics.median(c[k] for c in later) for k in ("alloc_ns", "free_ns", "clock_ns")}
+    return {"alloc_ns": med["alloc_ns"] - med["clock_ns"],
+            "free_ns": med["free_ns"] - med["clock_ns"], "clock_ns": med["clock_ns"],
+            "allocs": later[0]["allocs"], "frees": later[0]["frees"]}
+
+
+def render_cold(results, trace_steps):
+    """One row per cold run: ns per allocation and per free, and their difference from the
+    median native run's; per pass of the trace (and per recorded step, with trace_steps), the
+    host time that difference adds."""
+    sums = [(r, cold_summary(r)) for r in results if "passes" in r]
+    native = [s for r, s in sums if r["allocator"] == "native"]
+    base = ({k: statistics.median(s[k] for s in native) for k in ("alloc_ns", "free_ns")}
+            if native else None)
+    lines = ["allocator        round | ns per alloc | ns per free | clock ns | "
+             "vs native: alloc, free | µs per pass" + (" | µs per step" if trace_steps else "")]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['allocator']:<16} {r.get('round', '-'):>5} | {r['error']}")
+            continue
+        s = cold_summary(r)
+        row = (f"{r['allocator']:<16} {r.get('round', '-'):>5} | {s['alloc_ns']:12.0f} | "
+               f"{s['free_ns']:11.0f} | {s['clock_ns']:8.0f} | ")
+        if base:
+            da, df = s["alloc_ns"] - base["alloc_ns"], s["free_ns"] - base["free_ns"]
+            us = (da * s["allocs"] + df * s["frees"]) / 1e3
+            row += f"{da:+8.0f}, {df:+6.0f}        | {us:+11.1f}"
+            if trace_steps:
+                row += f" | {us / trace_steps:+12.2f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace", help="PyTorch snapshot (.pickle or .pickle.gz) with a trace")
@@ -259,6 +335,9 @@ def main():
                    help="training steps the trace holds: differences are also given per step")
     p.add_argument("--device", type=int, default=0, help="which device's trace to take")
     p.add_argument("--timeout", type=int, default=600, help="seconds per process")
+    p.add_argument("--cold-kib", type=int, default=0, metavar="N",
+                   help="time each op alone, on its recorded stream, after writing N KiB of "
+                        "other memory (0: the passes timed in chunks, on one stream)")
     p.add_argument("--out", help="folder for the ops, the extension's build and the JSON lines")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--conf", default="", help=argparse.SUPPRESS)
@@ -267,6 +346,8 @@ def main():
     args = p.parse_args()
     if args.passes < 1 or args.chunks < 1 or args.repeat < 1:
         p.error("--passes, --chunks and --repeat must be at least 1")
+    if not 0 <= args.cold_kib <= 1 << 20:
+        p.error(f"--cold-kib {args.cold_kib}: expected 0 to 1048576 (1 GiB)")
     if args.child:
         args.allocator = args.child
         return child(args)
@@ -287,22 +368,27 @@ def main():
     t0 = time.time()
     try:
         snap = read_snapshot(args.trace)
-        sizes, slots, n_slots, streams, persistent = ops_from_snapshot(snap, args.device)
+        sizes, slots, n_slots, streams, persistent, stream_of = ops_from_snapshot(snap,
+                                                                                  args.device)
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError, TypeError) as e:
         p.error(f"cannot read {args.trace} as a PyTorch snapshot with a trace: {e}")
     later = [i for i in range(len(sizes)) if not persistent[i]]
-    if len(streams) > 1:
-        log(f"# note: the trace uses {len(streams)} streams; every op runs on one stream here")
+    if len(streams) > 1 and not args.cold_kib:
+        log(f"# note: the trace uses {len(streams)} streams; every op runs on one stream here "
+            f"(--cold-kib runs each on its own)")
     if args.chunks > len(later):
         p.error(f"--chunks {args.chunks}: the trace has only {len(later)} ops after its first pass")
     ops_path = os.path.join(out_dir, "ops.bin")
     with open(ops_path, "wb") as f:
-        meta = {"n_ops": len(sizes), "n_later": len(later), "n_slots": n_slots}
+        meta = {"n_ops": len(sizes), "n_later": len(later), "n_slots": n_slots,
+                "n_streams": len(streams)}
         f.write((json.dumps(meta) + "\n").encode())
         f.write(sizes.tobytes())
         f.write(slots.tobytes())
+        f.write(stream_of.tobytes())
         f.write(array.array("q", (sizes[i] for i in later)).tobytes())
         f.write(array.array("q", (slots[i] for i in later)).tobytes())
+        f.write(array.array("q", (stream_of[i] for i in later)).tobytes())
     allocs = sum(1 for s in sizes if s > 0)
     kept = sum(persistent)
     log(f"# {args.trace}: {allocs} allocations, {len(sizes) - allocs} frees, at most {n_slots} "
@@ -329,7 +415,8 @@ def main():
                                             else r["error"]) + f" ({time.time() - t1:.0f} s)")
     print(f"Host time of the allocations and frees of {os.path.basename(args.trace)} "
           f"({len(sizes)} ops), through PyTorch's allocator calls, {args.passes} passes")
-    print(render(results, args.trace_steps))
+    print(render_cold(results, args.trace_steps) if args.cold_kib
+          else render(results, args.trace_steps))
     print(f"(JSON lines: {jsonl})")
 
 

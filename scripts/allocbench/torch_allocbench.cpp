@@ -198,6 +198,101 @@ extern "C" double gpumem_torch_run_trace(const int64_t* sizes, const int64_t* sl
   return -1.0;
 }
 
+// One pass of a recorded sequence as gpumem_torch_run_trace, with the program's own work
+// between the calls modelled, each op on its recorded stream and timed alone. Before every op,
+// `evict_bytes` of a buffer are written (one byte per 64-byte line), so that each call finds
+// the allocator's data out of the core's private caches, as in a training step, where kernel
+// launches, PyTorch's dispatch and Python run between two allocator calls. Op i runs on stream
+// stream_of[i]: 0 is the current stream, 1.. n_streams-1 streams from PyTorch's pool (the same
+// ones in every pass of the process). sums_ns receives [allocations' ns, frees' ns, one empty
+// timed span's ns (the clock's own cost per op, measured after eviction like the ops)].
+// Returns the pass's total timed ns, or a negative number with the message in `err` (after
+// freeing what the pass allocated).
+extern "C" double gpumem_torch_run_trace_cold(const int64_t* sizes, const int64_t* slots,
+                                              const int64_t* stream_of, int64_t n_ops,
+                                              int64_t n_slots, int64_t n_streams,
+                                              int64_t evict_bytes, int keep_live,
+                                              double* sums_ns, char* err, int err_len) {
+  std::vector<void*> held;
+  try {
+    if (n_ops < 1 || n_slots < 1 || n_streams < 1 || evict_bytes < 0) {
+      report(err, err_len, "expected ops, slots, streams and a non-negative eviction size");
+      return -1.0;
+    }
+    for (int64_t i = 0; i < n_ops; ++i) {
+      if (sizes[i] < 0 || slots[i] < 0 || slots[i] >= n_slots || stream_of[i] < 0 ||
+          stream_of[i] >= n_streams) {
+        report(err, err_len, "op " + std::to_string(i) + ": bad size, slot or stream");
+        return -1.0;
+      }
+    }
+    static std::vector<cudaStream_t> streams;
+    while (static_cast<int64_t>(streams.size()) < n_streams) {
+      streams.push_back(streams.empty() ? c10::cuda::getCurrentCUDAStream(0).stream()
+                                        : c10::cuda::getStreamFromPool(false, 0).stream());
+    }
+    static std::vector<unsigned char> buffer;
+    buffer.assign(static_cast<size_t>(evict_bytes), 0);
+    unsigned char round = 0;
+    auto evict = [&] {
+      ++round;
+      volatile unsigned char* b = buffer.data();
+      for (size_t i = 0; i < buffer.size(); i += 64) b[i] = round;
+    };
+    held.assign(static_cast<size_t>(n_slots), nullptr);
+    double alloc_ns = 0.0, free_ns = 0.0, clock_ns = 0.0;
+    int64_t timed = 0;
+    for (int64_t op = 0; op < n_ops; ++op) {
+      void*& slot = held[static_cast<size_t>(slots[op])];
+      if (sizes[op] == 0 && !slot) continue;
+      evict();
+      auto start = Clock::now();
+      if (sizes[op] > 0) {
+        slot = cca::raw_alloc_with_stream(static_cast<size_t>(sizes[op]),
+                                          streams[static_cast<size_t>(stream_of[op])]);
+        alloc_ns += std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+      } else {
+        cca::raw_delete(slot);
+        slot = nullptr;
+        free_ns += std::chrono::duration<double, std::nano>(Clock::now() - start).count();
+      }
+      // The clock's own cost, in the same state of the caches: every 16th op, once more.
+      if (++timed % 16 == 0) {
+        evict();
+        auto t0 = Clock::now();
+        clock_ns += std::chrono::duration<double, std::nano>(Clock::now() - t0).count() * 16;
+      }
+    }
+    for (void*& p : held) {
+      if (p && !keep_live) cca::raw_delete(p);
+      p = nullptr;
+    }
+    cudaError_t sync = cudaDeviceSynchronize();
+    if (sync != cudaSuccess) {
+      report(err, err_len, std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(sync));
+      return -1.0;
+    }
+    sums_ns[0] = alloc_ns;
+    sums_ns[1] = free_ns;
+    sums_ns[2] = timed ? clock_ns / static_cast<double>(timed) : 0.0;
+    return alloc_ns + free_ns;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  } catch (...) {
+    report(err, err_len, "unknown exception");
+  }
+  for (void*& p : held) {
+    if (p) {
+      try {
+        cca::raw_delete(p);
+      } catch (...) {
+      }
+      p = nullptr;
+    }
+  }
+  return -1.0;
+}
+
 // Number of ops in a sequence (to check the Python side's bookkeeping).
 extern "C" int64_t gpumem_torch_count_ops(int64_t n_allocs, int64_t max_live, int64_t min_size,
                                           int64_t max_size, uint64_t seed) {

@@ -106,12 +106,14 @@ def test_trace_ops_pair_each_free_with_its_allocation():
         {"action": "alloc", "addr": 0x400, "size": 1024, "stream": 0},
         {"action": "free_requested", "addr": 0x200, "size": 512, "stream": 0},
     ]]}
-    sizes, slots, n_slots, streams, persistent = tat.ops_from_snapshot(snap)
+    sizes, slots, n_slots, streams, persistent, stream_of = tat.ops_from_snapshot(snap)
     assert list(sizes) == [3 * mib, 512, 0, mib, 1024, 0]
     # The freed slot 0 is taken again by the next allocation; the fourth block needs a third.
     assert list(slots) == [0, 1, 0, 0, 2, 1]
     assert n_slots == 3
     assert streams == {0, 7}
+    # Streams by first use; each free on its allocation's stream.
+    assert list(stream_of) == [0, 0, 0, 1, 0, 0]
     # The two blocks the recording never frees are made in the first pass only.
     assert persistent == [False, False, False, True, True, False]
 
@@ -121,7 +123,7 @@ def test_trace_ops_take_completed_frees_when_the_trace_has_no_requested_ones():
     snap = {"device_traces": [[
         {"action": "alloc", "addr": 1, "size": 8}, {"action": "alloc", "addr": 2, "size": 16},
         {"action": "free_completed", "addr": 1, "size": 8}, {"action": "free", "addr": 2}]]}
-    sizes, slots, _, _, persistent = tat.ops_from_snapshot(snap)
+    sizes, slots, _, _, persistent, _ = tat.ops_from_snapshot(snap)
     # Legacy `free` comes before completions in the order of preference.
     assert list(sizes) == [8, 16, 0] and list(slots) == [0, 1, 1]
     assert persistent == [True, False, False]
@@ -136,6 +138,30 @@ def test_trace_ops_refuse_what_is_not_a_trace():
     with pytest.raises(ValueError, match="allocated twice"):
         tat.ops_from_snapshot({"device_traces": [[
             {"action": "alloc", "addr": 1, "size": 8}, {"action": "alloc", "addr": 1, "size": 8}]]})
+
+
+def test_cold_trace_table_takes_the_clock_off_and_compares_with_native():
+    tat = load("trace_alloc_time")
+
+    def run(name, rnd, passes):
+        return {"allocator": name, "round": rnd, "peak_held": 1 << 30, "passes": [
+            {"ms": 1.0, "chunk_ms": [1.0], "driver_ms": None, "hook_ms": None,
+             "cold": {"alloc_ns": a, "free_ns": f, "clock_ns": 20.0, "allocs": 100,
+                      "frees": 100}} for a, f in passes]}
+
+    # The first pass (pool growing) is left out; later passes' medians are taken.
+    native = run("native", 0, [(9000.0, 900.0), (520.0, 320.0), (500.0, 300.0), (540.0, 340.0)])
+    gm = run("gpumem", 0, [(20000.0, 400.0), (420.0, 250.0), (440.0, 270.0), (430.0, 260.0)])
+    s = tat.cold_summary(gm)
+    assert s["alloc_ns"] == pytest.approx(430.0 - 20.0)
+    assert s["free_ns"] == pytest.approx(260.0 - 20.0)
+    table = tat.render_cold([native, gm, {"allocator": "gpumem", "round": 1, "error": "boom"}],
+                            trace_steps=4)
+    row = next(ln for ln in table.splitlines() if ln.startswith("gpumem") and "boom" not in ln)
+    # Against native's 500 / 300 (less the clock): alloc -90, free -60 ns; 100 of each per
+    # pass: -15.0 µs per pass, -3.75 per step.
+    assert "-90" in row and "-60" in row and "-15.0" in row and "-3.75" in row, row
+    assert "boom" in table
 
 
 def test_trace_time_table_sets_each_pass_beside_the_median_native_run():

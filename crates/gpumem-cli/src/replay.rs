@@ -60,6 +60,11 @@ pub struct ReplayArgs {
     /// allocation's handle (the same placements; each free looks its block up).
     #[arg(long)]
     free_by_address: bool,
+    /// Before each allocation and free, write to this many KiB of other memory, as a
+    /// program's own work does between its allocator calls (for measuring the allocator's
+    /// cache misses under a cache simulator: scripts/cold_replay.sh).
+    #[arg(long, value_name = "KIB")]
+    cold_kib: Option<u64>,
 }
 
 /// Where a replay runs.
@@ -140,6 +145,15 @@ fn load(path: &Path, device: u32, quiet: bool) -> Result<trace::Trace, String> {
     Ok(t)
 }
 
+/// `--cold-kib` in bytes, within reason (at most 1 GiB: the buffer is allocated).
+fn cold_bytes(kib: Option<u64>) -> Result<usize, String> {
+    match kib {
+        None => Ok(0),
+        Some(k) if k <= 1 << 20 => Ok((k << 10) as usize),
+        Some(k) => Err(format!("--cold-kib {k}: at most 1048576 (1 GiB)")),
+    }
+}
+
 /// The flags that only the simulated device honours, by name, when given.
 fn sim_only_flags(a: &ReplayArgs) -> Vec<&'static str> {
     [
@@ -149,6 +163,7 @@ fn sim_only_flags(a: &ReplayArgs) -> Vec<&'static str> {
         ("--gpu-lag-ms", a.gpu_lag_ms.is_some()),
         ("--remap-sites", a.remap_sites),
         ("--free-by-address", a.free_by_address),
+        ("--cold-kib", a.cold_kib.is_some()),
     ]
     .into_iter()
     .filter_map(|(name, given)| given.then_some(name))
@@ -194,6 +209,7 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
         timeline_points: if a.plot.is_some() { 2000 } else { 0 },
         remap_sites: a.remap_sites,
         free_by_address: a.free_by_address,
+        cold_bytes: cold_bytes(a.cold_kib)?,
         ..ReplayOptions::default()
     };
     if let Some(m) = a.device_memory {

@@ -69,6 +69,7 @@ fn simulator_flags_are_refused_on_the_gpu() {
         ("--device-memory", &["--device-memory", "80GiB"][..]),
         ("--remap-sites", &["--remap-sites"][..]),
         ("--free-by-address", &["--free-by-address"][..]),
+        ("--cold-kib", &["--cold-kib", "64"][..]),
     ] {
         let out = gpumem()
             .arg("replay")
@@ -83,6 +84,20 @@ fn simulator_flags_are_refused_on_the_gpu() {
             "{e}"
         );
     }
+}
+
+#[test]
+fn an_absurd_cold_buffer_is_refused() {
+    let mlp = bundled_trace("validation/mlp.pickle.gz");
+    let out = gpumem()
+        .arg("replay")
+        .arg(&mlp)
+        .args(["-p", "stitched", "--cold-kib", "99999999"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(e.contains("--cold-kib 99999999: at most 1048576"), "{e}");
 }
 
 #[test]

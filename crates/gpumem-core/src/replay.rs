@@ -159,6 +159,11 @@ pub struct ReplayOptions {
     /// instead of through the allocation's handle: the same placements, but each free looks
     /// its block up as a real PyTorch program's does.
     pub free_by_address: bool,
+    /// Before each allocation and free, write to this many bytes of other memory (one byte
+    /// per 64-byte line), as a program's own work does between its allocator calls: under a
+    /// cache simulator (`scripts/cold_replay.sh`) each call then finds the allocator's data
+    /// out of the caches, as in a real training step. 0: off.
+    pub cold_bytes: usize,
 }
 
 /// A function given the allocator at the end of a replay.
@@ -175,7 +180,32 @@ impl Default for ReplayOptions {
             gpu_lag_us: None,
             remap_sites: false,
             free_by_address: false,
+            cold_bytes: 0,
         }
+    }
+}
+
+/// Memory written between the allocator's calls ([`ReplayOptions::cold_bytes`]).
+struct Evictor {
+    buf: Vec<u8>,
+    round: u8,
+}
+
+impl Evictor {
+    fn new(bytes: usize) -> Option<Self> {
+        (bytes > 0).then(|| Self {
+            buf: vec![0; bytes],
+            round: 0,
+        })
+    }
+
+    /// Writes one byte of every cache line of the buffer.
+    fn run(&mut self) {
+        self.round = self.round.wrapping_add(1);
+        for b in self.buf.iter_mut().step_by(64) {
+            *b = self.round;
+        }
+        std::hint::black_box(&mut self.buf);
     }
 }
 
@@ -300,7 +330,14 @@ pub fn replay_on(
     cfg.policy = policy;
     let alloc = Allocator::new(backend, cfg)?;
     let by_address = opts.free_by_address;
+    let evictor = std::cell::RefCell::new(Evictor::new(opts.cold_bytes));
+    let cool = || {
+        if let Some(ev) = evictor.borrow_mut().as_mut() {
+            ev.run();
+        }
+    };
     let free = |alloc: &Allocator, a: &Allocation| {
+        cool();
         if by_address {
             alloc.free_on(a.ptr, a.stream)
         } else {
@@ -367,6 +404,7 @@ pub fn replay_on(
                     }
                 }
                 let unmapped_before = opts.remap_sites.then(|| unmapped_pages(&alloc));
+                cool();
                 match alloc.allocate(e.size, e.stream) {
                     Ok(a) => {
                         if let Some(before) = unmapped_before {

@@ -421,3 +421,22 @@ fn frees_by_address_replay_as_frees_by_handle() {
     assert_eq!(by_address.ooms, 0);
     assert!(by_handle.driver_calls_total > 0, "the replay did something");
 }
+
+/// Writing other memory between the calls (`--cold-kib`, for measuring cache misses) changes
+/// nothing the allocator does.
+#[test]
+fn a_cold_replay_places_as_a_warm_one() {
+    let t = load("prefetch_mlp");
+    let warm = replay(&t, PolicyKind::Stitched, &ReplayOptions::default(), None).unwrap();
+    let opts = ReplayOptions {
+        cold_bytes: 256 << 10,
+        free_by_address: true,
+        ..ReplayOptions::default()
+    };
+    let cold = replay(&t, PolicyKind::Stitched, &opts, None).unwrap();
+    assert_eq!(cold.peak_held_bytes, warm.peak_held_bytes);
+    assert_eq!(cold.driver_calls, warm.driver_calls);
+    assert_eq!(cold.calls_by_quarter, warm.calls_by_quarter);
+    assert_eq!(cold.allocs, warm.allocs);
+    assert!(warm.driver_calls_total > 0, "the replay did something");
+}
