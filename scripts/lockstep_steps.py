@@ -30,7 +30,11 @@ the GPU. With GPUMEM_BENCH_HOOK_TIME=1, gpumem's processes time every call PyTor
 gpumem (about 45 ns per call of its own) and report them per step by hook.
 
 Workloads and allocator names are those of scripts/bench_workloads.py (gpumem variants with
---variant NAME=CONF, as there). --cpus LIST runs both processes on the same CPUs. Results: a
+--variant NAME=CONF, as there). --cpus LIST runs both processes on the same CPUs; for a
+workload that runs on one host thread, give one CPU (--cpus 4): the two processes then take
+turns on the same virtual CPU, whose speed on a shared host is its own (the prefetch pipeline's
+runs spread by 0.56 % each so, against about 2.6 % over CPUs 4-7 on other machines;
+BENCHMARKS.md §3, session 33). Results: a
 table on stdout (last), JSON lines in $OUT/lockstep.jsonl (or --out DIR). Runs in both orders
 (native:gpumem and gpumem:native), and from several calls, are pooled per workload and
 allocator with `--pool FILE...`: every step's ratio of the allocator's time over native's. The
