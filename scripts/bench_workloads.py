@@ -222,12 +222,23 @@ def prefetch_steps(torch, dev, steps, rng):
         yield
 
 
+def thread_cpus():
+    """With GPUMEM_BENCH_PIN_THREADS=1 (scripts/lockstep_steps.py --pin-threads), the CPUs the
+    process may run on, in order, for a multi-threaded workload to pin its thread i to the
+    i-th of them (two processes pinned to the same CPUs then run each thread's work on the same
+    CPU); otherwise None."""
+    if os.environ.get("GPUMEM_BENCH_PIN_THREADS") != "1":
+        return None
+    return sorted(os.sched_getaffinity(0))
+
+
 def serve_steps(torch, dev, steps, rng):
     """The inference server of scripts/record_trace.py (serve_threads): four threads, each on
     its own CUDA stream, serving two requests of random size per step, drawn from `rng`."""
     from record_trace import serve_threads  # same folder; imports torch, as this process has
 
-    return serve_threads(steps, dev, [random.Random(rng.random()) for _ in range(4)])
+    return serve_threads(steps, dev, [random.Random(rng.random()) for _ in range(4)],
+                         pin=thread_cpus())
 
 
 def varlen_lengths(steps, rng):

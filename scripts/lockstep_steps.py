@@ -177,8 +177,11 @@ def say(obj) -> None:
 class Side:
     """One child process and its replies."""
 
-    def __init__(self, allocator: str, workload: str, steps: int, batch, log: Path, cpus=None):
+    def __init__(self, allocator: str, workload: str, steps: int, batch, log: Path, cpus=None,
+                 pin_threads=False):
         env = bw.allocator_env(allocator)
+        if pin_threads:
+            env["GPUMEM_BENCH_PIN_THREADS"] = "1"
         cmd = [sys.executable, __file__, "--child", "--allocator", allocator, "--workload",
                workload, "--steps", str(steps)]
         if batch:
@@ -235,13 +238,14 @@ class Side:
         return end
 
 
-def run_pair(workload, a_name, b_name, steps, batch, log_dir: Path, cpus=None) -> dict:
+def run_pair(workload, a_name, b_name, steps, batch, log_dir: Path, cpus=None,
+             pin_threads=False) -> dict:
     tag = f"{workload}.{a_name}.{b_name}.{int(time.time())}"
-    a = Side(a_name, workload, steps, batch, log_dir / f"{tag}.a.log", cpus)
-    b = Side(b_name, workload, steps, batch, log_dir / f"{tag}.b.log", cpus)
+    a = Side(a_name, workload, steps, batch, log_dir / f"{tag}.a.log", cpus, pin_threads)
+    b = Side(b_name, workload, steps, batch, log_dir / f"{tag}.b.log", cpus, pin_threads)
     sides = (a, b)
     out = {"workload": workload, "a": a_name, "b": b_name, "steps": steps, "batch": batch,
-           "cpus": cpus}
+           "cpus": cpus, "pin_threads": pin_threads}
     try:
         for s in sides:
             s.read(timeout=300)  # ready: CUDA initialised
@@ -339,6 +343,9 @@ def main() -> int:
     ap.add_argument("--cpus", default=None, metavar="LIST",
                     help="run both processes on these CPUs (e.g. 4-7): then a difference in "
                          "where each was scheduled cannot favour one side")
+    ap.add_argument("--pin-threads", action="store_true",
+                    help="with --cpus: a multi-threaded workload (serve_threads) pins its thread "
+                         "i to the i-th of those CPUs in both processes")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the results")
     ap.add_argument("--pool", nargs="+", metavar="JSONL",
                     help="run nothing: pool the runs of these lockstep.jsonl files per workload "
@@ -371,6 +378,8 @@ def main() -> int:
                 ap.error(f"--cpus {args.cpus}: not all of them are available here")
         except ValueError:
             ap.error(f"--cpus {args.cpus!r}: expected a list like 4-7,9")
+    if args.pin_threads and not args.cpus:
+        ap.error("--pin-threads needs --cpus: the CPUs to pin the threads to")
     workloads = args.workloads.split(",")
     for w in workloads:
         if w not in bw.WORKLOADS and w != SELFTEST:
@@ -391,7 +400,8 @@ def main() -> int:
                 for a, b in pairs:
                     print(f"round {rnd + 1}: {w}, {a} and {b} in lockstep, {steps} steps",
                           file=sys.stderr, flush=True)
-                    r = run_pair(w, a, b, steps, args.batch, log_dir, args.cpus)
+                    r = run_pair(w, a, b, steps, args.batch, log_dir, args.cpus,
+                                 args.pin_threads)
                     r["round"] = rnd + 1
                     r["warmup"] = warmup
                     if "error" not in r:

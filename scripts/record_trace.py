@@ -205,12 +205,14 @@ def unet_res(steps: int, dev: torch.device):
         yield
 
 
-def serve_threads(steps: int, dev: torch.device, rngs=None):
+def serve_threads(steps: int, dev: torch.device, rngs=None, pin=None):
     """An inference server: four threads, each with its own CUDA stream, run a transformer
     encoder's forward pass (fp16, no gradients) on requests of random batch size and length.
     Each yielded step is one round in which every thread serves two requests; a request ends
     when its result reaches the host. `rngs`: one random.Random per thread (default: seeded 0-3).
-    scripts/bench_workloads.py runs the same workload."""
+    `pin`: CPUs; thread i then runs on pin[i % len(pin)] alone (Linux), so that two processes
+    given the same list run each thread's work on the same CPU. scripts/bench_workloads.py runs
+    the same workload."""
     import threading
     d = 768
     model = torch.nn.TransformerEncoder(
@@ -221,6 +223,8 @@ def serve_threads(steps: int, dev: torch.device, rngs=None):
 
     def serve(i):
         try:
+            if pin:
+                os.sched_setaffinity(0, {pin[i % len(pin)]})  # 0: this thread only
             with torch.no_grad(), torch.cuda.stream(streams[i]):
                 for _ in range(2):
                     x = torch.randn(rngs[i].choice([1, 4, 8, 16]), rngs[i].randint(32, 512), d, device=dev, dtype=torch.half)

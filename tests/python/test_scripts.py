@@ -189,7 +189,8 @@ def test_trace_time_table_sets_each_pass_beside_the_median_native_run():
     assert "exit 1: boom" in table
 
 
-def run_lockstep(tmp_path, env_extra, pairs="native:gpumem,native:native-again", steps=10):
+def run_lockstep(tmp_path, env_extra, pairs="native:gpumem,native:native-again", steps=10,
+                 extra=()):
     import os
     import subprocess
     import sys
@@ -197,7 +198,7 @@ def run_lockstep(tmp_path, env_extra, pairs="native:gpumem,native:native-again",
     env = {**os.environ, "LOCKSTEP_SELFTEST_MS": "8", **env_extra}
     out = subprocess.run(
         [sys.executable, str(SCRIPTS / "lockstep_steps.py"), "--workloads", "selftest",
-         "--steps", str(steps), "--pairs", pairs, "--out", str(tmp_path)],
+         "--steps", str(steps), "--pairs", pairs, "--out", str(tmp_path), *extra],
         env=env, capture_output=True, text=True, timeout=120)
     rows = [json.loads(line) for line in (tmp_path / "lockstep.jsonl").read_text().splitlines()]
     return out, rows
@@ -230,6 +231,33 @@ def test_lockstep_reports_a_child_that_fails(tmp_path):
     assert out.returncode == 1
     assert "the process ended" in rows[0]["error"] and "ValueError" in rows[0]["error"]
     assert "error:" in out.stdout
+
+
+def test_lockstep_pins_threads_only_with_cpus(tmp_path):
+    import os
+
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, str(SCRIPTS / "lockstep_steps.py"), "--workloads",
+                              "selftest", "--pin-threads", "--out", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--pin-threads needs --cpus" in refused.stderr
+    cpu = str(min(os.sched_getaffinity(0)))
+    out, rows = run_lockstep(tmp_path, {}, pairs="native:gpumem", steps=6,
+                             extra=["--cpus", cpu, "--pin-threads"])
+    assert out.returncode == 0, out.stderr
+    assert rows[0]["pin_threads"] is True and rows[0]["cpus"] == cpu
+
+
+def test_thread_cpus_are_given_only_when_asked(monkeypatch):
+    import os
+
+    bw = load("bench_workloads")
+    monkeypatch.delenv("GPUMEM_BENCH_PIN_THREADS", raising=False)
+    assert bw.thread_cpus() is None
+    monkeypatch.setenv("GPUMEM_BENCH_PIN_THREADS", "1")
+    assert bw.thread_cpus() == sorted(os.sched_getaffinity(0))
 
 
 def test_lockstep_refuses_bad_pairs(tmp_path):
