@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Cache lines the engine touches per alloc/free pair when each call finds its data out of the
-# caches, as PyTorch's calls do in a real step (the step's kernels launches, Python and
+# caches, as PyTorch's calls do in a real step (the step's kernel launches, Python and
 # PyTorch's own work run between them): the measure of the allocator's footprint, which its
-# instruction count (scripts/instr_replay.sh) does not show. In a prefetch pipeline step on an
-# H200 gpumem's calls take about 650 ns each against about 240 ns back to back (BENCHMARKS.md
-# §3, sessions 27 and 32): the difference is cache misses.
+# instruction count (scripts/instr_replay.sh) does not show. In the prefetch pipeline's step on
+# an H200 gpumem's own time is 573-632 ns a call, against 213-355 back to back (BENCHMARKS.md
+# §3, session 33): the difference is cache misses.
 #
 # Method: `gpumem replay TRACE -p stitched --cold-kib 2048` writes 2 MiB of other memory
 # before every allocation and free; callgrind simulates a 1 MiB last-level cache, so every

@@ -22,9 +22,9 @@ parts of equal op count (the first chunks of the first pass are where the pool g
 With --cold-kib N each op instead runs on its recorded stream and is timed alone, after N KiB
 of other memory have been written (gpumem_torch_run_trace_cold): in a training step, kernel
 launches, PyTorch's dispatch and Python run between two allocator calls, so each call finds the
-allocator's data out of the core's private caches. gpumem's calls take about 650 ns each in the
-prefetch pipeline's step against about 240 ns back to back (BENCHMARKS.md §3): what the
-allocator costs a real step is its cost from cold caches. The table then gives ns per
+allocator's data out of the core's private caches. gpumem's own time is 573-632 ns a call in
+the prefetch pipeline's step against 213-355 back to back (BENCHMARKS.md §3, session 33): what
+the allocator costs a real step is its cost from cold caches. The table then gives ns per
 allocation and per free (the clock's own cost per op taken off), each run's later passes'
 median, beside the median native run's, and with --trace-steps the difference in µs per step.
 
