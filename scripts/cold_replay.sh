@@ -16,6 +16,9 @@
 # callgrind's instruction cache is not cleared between calls, so these count code evicted by
 # the engine's own calls only; a real step evicts more).
 #
+# Deterministic for one binary, but a change that moves the heap's layout (a structure's size)
+# moves the count by up to about 2 lines a pair on its own (BENCHMARKS.md §3, session 33).
+#
 # Usage, from the repository root (needs valgrind; cargo build --release first):
 #     bash scripts/cold_replay.sh BINARY TRACE [REPLAY ARGS...]
 # Prints one line: Ir, D1 misses, LL data misses, I1 misses per pair.
