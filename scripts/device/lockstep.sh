@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 5's step-time ratios in lockstep, pinned as BENCHMARKS.md §3 session 33 found best, with
+# the A/A control (PyTorch against itself) in the same call. On the GPU machine, from the
+# repository root, with a gpumem wheel in .device/wheels (see wheel.sh):
+#
+#     OUT=/some/folder bash scripts/device/lockstep.sh [pipeline|server|both] [ROUNDS]
+#
+# pipeline: the two-stream prefetch pipeline (one host thread), both processes on CPU 4, 300
+#   steps a run, about 30 s a run: ROUNDS (default 4) rounds of native:native-again,
+#   native:gpumem and gpumem:native (session 33: 16 gpumem runs read 1.0053, over runs
+#   1.0026-1.0086, in two calls of 4 rounds).
+# server: the four-thread inference server, on CPUs 4-7 with thread i on CPU 4+i in both
+#   processes (--pin-threads), 64 steps a run.
+# Each part's JSON lines go to $OUT/<part>/lockstep.jsonl, pooled at the end (`--pool`: the
+# pooled median of step ratios with its interval over steps and over whole runs; judge a target
+# by the second). Pool several calls' files the same way. The tables are printed last.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/out/lockstep}
+PART=${1:-both}
+ROUNDS=${2:-4}
+case "$PART" in
+    pipeline | server | both) ;;
+    *) echo "lockstep.sh: expected pipeline, server or both, not '$PART'" >&2; exit 2 ;;
+esac
+mkdir -p "$OUT"
+source scripts/device/wheel.sh
+install_gpumem_wheel /tmp/gpumem-site
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+PAIRS=native:native-again,native:gpumem,gpumem:native
+rc=0
+if [[ $PART != server ]]; then
+    python3 scripts/lockstep_steps.py --workloads prefetch_mlp --steps 300 --cpus 4 \
+        --pairs "$PAIRS" --repeat "$ROUNDS" --out "$OUT/pipeline" > "$OUT/pipeline.log" 2>&1 || rc=1
+fi
+if [[ $PART != pipeline ]]; then
+    python3 scripts/lockstep_steps.py --workloads serve_threads --steps 64 --cpus 4-7 \
+        --pin-threads --pairs "$PAIRS" --repeat "$ROUNDS" --out "$OUT/server" \
+        > "$OUT/server.log" 2>&1 || rc=1
+fi
+for p in pipeline server; do
+    if [[ -f "$OUT/$p/lockstep.jsonl" ]]; then
+        echo "== $p"
+        python3 scripts/lockstep_steps.py --pool "$OUT/$p/lockstep.jsonl"
+    fi
+done
+exit $rc
