@@ -57,6 +57,35 @@ bool run_sequence(const std::vector<gpumem_bench::Op>& ops, cudaStream_t stream,
   return false;
 }
 
+// The end of a trace pass: frees what `held` still holds (unless `keep_live`: then it stays
+// allocated for the rest of the process) and waits for the device. False, with the message in
+// `err`, if the device reports an error.
+bool end_pass(std::vector<void*>& held, bool keep_live, char* err, int err_len) {
+  for (void*& p : held) {
+    if (p && !keep_live) cca::raw_delete(p);
+    p = nullptr;
+  }
+  cudaError_t sync = cudaDeviceSynchronize();
+  if (sync != cudaSuccess) {
+    report(err, err_len, std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(sync));
+    return false;
+  }
+  return true;
+}
+
+// After a trace pass failed: frees what it still holds, ignoring further errors.
+void free_after_error(std::vector<void*>& held) {
+  for (void*& p : held) {
+    if (p) {
+      try {
+        cca::raw_delete(p);
+      } catch (...) {
+      }
+      p = nullptr;
+    }
+  }
+}
+
 }  // namespace
 
 // Aggregate ns per op (wall time / all ops) of `threads` threads, thread t running the
@@ -171,30 +200,14 @@ extern "C" double gpumem_torch_run_trace(const int64_t* sizes, const int64_t* sl
       chunk_ns[c] = std::chrono::duration<double, std::nano>(Clock::now() - start).count();
       total += chunk_ns[c];
     }
-    for (void*& p : held) {
-      if (p && !keep_live) cca::raw_delete(p);
-      p = nullptr;
-    }
-    cudaError_t sync = cudaDeviceSynchronize();
-    if (sync != cudaSuccess) {
-      report(err, err_len, std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(sync));
-      return -1.0;
-    }
+    if (!end_pass(held, keep_live != 0, err, err_len)) return -1.0;
     return total;
   } catch (const std::exception& e) {
     report(err, err_len, e.what());
   } catch (...) {
     report(err, err_len, "unknown exception");
   }
-  for (void*& p : held) {
-    if (p) {
-      try {
-        cca::raw_delete(p);
-      } catch (...) {
-      }
-      p = nullptr;
-    }
-  }
+  free_after_error(held);
   return -1.0;
 }
 
@@ -263,15 +276,7 @@ extern "C" double gpumem_torch_run_trace_cold(const int64_t* sizes, const int64_
         clock_ns += std::chrono::duration<double, std::nano>(Clock::now() - t0).count() * 16;
       }
     }
-    for (void*& p : held) {
-      if (p && !keep_live) cca::raw_delete(p);
-      p = nullptr;
-    }
-    cudaError_t sync = cudaDeviceSynchronize();
-    if (sync != cudaSuccess) {
-      report(err, err_len, std::string("cudaDeviceSynchronize: ") + cudaGetErrorString(sync));
-      return -1.0;
-    }
+    if (!end_pass(held, keep_live != 0, err, err_len)) return -1.0;
     sums_ns[0] = alloc_ns;
     sums_ns[1] = free_ns;
     sums_ns[2] = timed ? clock_ns / static_cast<double>(timed) : 0.0;
@@ -281,15 +286,7 @@ extern "C" double gpumem_torch_run_trace_cold(const int64_t* sizes, const int64_
   } catch (...) {
     report(err, err_len, "unknown exception");
   }
-  for (void*& p : held) {
-    if (p) {
-      try {
-        cca::raw_delete(p);
-      } catch (...) {
-      }
-      p = nullptr;
-    }
-  }
+  free_after_error(held);
   return -1.0;
 }
 
