@@ -34,25 +34,11 @@ valgrind --tool=callgrind --cache-sim=yes --LL=1048576,16,64 --callgrind-out-fil
     "$bin" replay "$trace" -p stitched --cold-kib 2048 "$@" >/dev/null 2>&1
 allocs=$("$bin" replay "$trace" -p stitched --json "$@" 2>/dev/null |
     python3 -c "import json, sys; print(json.load(sys.stdin)['allocs'])")
-callgrind_annotate --inclusive=yes --threshold=100 --show=Ir,D1mr,D1mw,DLmr,DLmw,I1mr "$out" 2>/dev/null | python3 -c '
-import re, sys
-allocs = int(sys.argv[1])
-wanted = {"engine::Allocator::place": "place", "engine::Allocator::free_allocation": "free",
-          "engine::Allocator::free_on": "free", "PagePool::claim_slow": "claim_slow"}
-found = {}
-num = r"([\d,]+)\s+(?:\([^)]*\)\s+)?"
-for line in sys.stdin:
-    m = re.match(r"\s*" + num * 6 + r"(\S+) \[", line)
-    if not m:
-        continue
-    v = [int(m.group(i).replace(",", "")) for i in range(1, 7)]
-    for name, key in wanted.items():
-        if m.group(7).endswith(name) and v[0] > found.get(key, [0])[0]:
-            found[key] = v
-z = [0] * 6
-p, f, c = (found.get(k, z) for k in ("place", "free", "claim_slow"))
-pair = [(a + b - s) / allocs for a, b, s in zip(p, f, c)]
-ir, d1r, d1w, dlr, dlw, i1 = pair
-print(f"per pair ({allocs} allocations): Ir {ir:.0f}  D1 misses {d1r + d1w:.1f}  "
+callgrind_annotate --inclusive=yes --threshold=100 --show=Ir,D1mr,D1mw,DLmr,DLmw,I1mr "$out" 2>/dev/null |
+    python3 scripts/engine_cost.py "$allocs" 6 | python3 -c '
+import json, sys
+c = json.load(sys.stdin)
+ir, d1r, d1w, dlr, dlw, i1 = (a + b - s for a, b, s in zip(c["place"], c["free"], c["claim_slow"]))
+print(f"per pair ({sys.argv[1]} allocations): Ir {ir:.0f}  D1 misses {d1r + d1w:.1f}  "
       f"LL data misses {dlr + dlw:.1f}  I1 misses {i1:.1f}")
 ' "$allocs"

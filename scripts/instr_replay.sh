@@ -28,21 +28,11 @@ trap 'rm -f "$out"' EXIT
 valgrind --tool=callgrind --callgrind-out-file="$out" "$bin" replay "$trace" -p stitched "$@" >/dev/null 2>&1
 allocs=$("$bin" replay "$trace" -p stitched --json "$@" 2>/dev/null |
     python3 -c "import json, sys; print(json.load(sys.stdin)['allocs'])")
-callgrind_annotate --inclusive=yes "$out" 2>/dev/null | python3 -c '
-import re, sys
-allocs = int(sys.argv[1])
-wanted = {"engine::Allocator::place": "place", "engine::Allocator::free_allocation": "free",
-          "engine::Allocator::free_on": "free", "PagePool::claim_slow": "claim_slow"}
-found = {}
-for line in sys.stdin:
-    m = re.match(r"\s*([\d,]+) \(.*?\)\s+(\S+) \[", line)
-    if not m:
-        continue
-    for name, key in wanted.items():
-        if m.group(2).endswith(name):
-            found[key] = max(found.get(key, 0), int(m.group(1).replace(",", "")))
-per = {k: found.get(k, 0) / allocs for k in wanted.values()}
+callgrind_annotate --inclusive=yes "$out" 2>/dev/null | python3 scripts/engine_cost.py "$allocs" 1 |
+    python3 -c '
+import json, sys
+per = {k: v[0] for k, v in json.load(sys.stdin).items()}
 pair = per["place"] + per["free"] - per["claim_slow"]
 print(" ".join(f"{k} {v:.0f}" for k, v in per.items()),
-      f"| place+free-claim_slow {pair:.0f} per pair ({allocs} allocations)")
+      f"| place+free-claim_slow {pair:.0f} per pair ({sys.argv[1]} allocations)")
 ' "$allocs"
