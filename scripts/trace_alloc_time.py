@@ -190,7 +190,7 @@ def child(args):
                 sizes.buffer_info()[0], slots.buffer_info()[0], stream_of.buffer_info()[0], n,
                 meta["n_slots"], meta["n_streams"], args.cold_kib << 10, int(i == 0), sums,
                 err, len(err))
-            allocs = sum(1 for s in sizes if s > 0)
+            allocs = n - sizes.count(0)
             cold = {"alloc_ns": sums[0] / allocs, "free_ns": sums[1] / max(1, n - allocs),
                     "clock_ns": sums[2], "allocs": allocs, "frees": n - allocs}
             chunk_ns[0] = total
