@@ -13,6 +13,8 @@ Each workload runs in a fresh process per allocator:
     gpumem-caching    gpumem with policy:caching (no virtual-memory calls), to tell the cost
                       of the stitched policy's mapping apart from the rest (opt-in;
                       --variant NAME=CONF adds others)
+    gpumem-native     gpumem as a CUDAAllocator of its own (install(native=True)) instead of
+                      behind PyTorch's CUDAPluggableAllocator (opt-in; built on first use)
     native-again      PyTorch's caching allocator once more (opt-in): an A/A control whose
                       step-time ratio to native is the noise of that figure on this machine
 
@@ -96,6 +98,10 @@ ALLOC_ENV = {
 }
 # gpumem configurations runnable by name (GPUMEM_CONF syntax); "gpumem" uses the environment's.
 GPUMEM_VARIANTS = {"gpumem-caching": "policy:caching"}
+# Opt-in: gpumem plugged in as a CUDAAllocator of its own (install(native=True), through
+# GPUMEM_TORCH_NATIVE) instead of through PyTorch's CUDAPluggableAllocator, with the
+# environment's configuration. "gpumem" follows GPUMEM_TORCH_NATIVE as set by the caller.
+GPUMEM_NATIVE = "gpumem-native"
 
 
 def is_gpumem(allocator: str) -> bool:
@@ -458,6 +464,7 @@ def child(args) -> None:
         import gpumem
 
         out["gpumem_conf"] = gpumem.torch.conf()
+        out["gpumem_install_mode"] = gpumem.torch.install_mode()
         total = gpumem.torch.driver_calls()
         out["gpumem_driver_calls"] = total
         # The calls of the timed steps alone, and the host seconds they took per step.
@@ -510,6 +517,8 @@ def allocator_env(allocator):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_ENV[allocator]
     if allocator in GPUMEM_VARIANTS:
         env["GPUMEM_CONF"] = GPUMEM_VARIANTS[allocator]
+    if allocator == GPUMEM_NATIVE:
+        env["GPUMEM_TORCH_NATIVE"] = "1"
     return env
 
 
@@ -750,8 +759,8 @@ def main() -> int:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w} (known: {', '.join(WORKLOADS)})")
     for a in allocators:
-        if a not in ALLOCATORS and a not in CONTROLS and a not in GPUMEM_VARIANTS:
-            known = ALLOCATORS + CONTROLS + list(GPUMEM_VARIANTS)
+        if a not in ALLOCATORS + CONTROLS + [GPUMEM_NATIVE] and a not in GPUMEM_VARIANTS:
+            known = ALLOCATORS + CONTROLS + [GPUMEM_NATIVE] + list(GPUMEM_VARIANTS)
             ap.error(f"unknown allocator {a} (known: {', '.join(known)})")
     if "native" not in allocators:
         ap.error("the native run is the common denominator: keep it in --allocators")

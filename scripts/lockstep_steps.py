@@ -362,7 +362,7 @@ def main() -> int:
         if not name.startswith("gpumem-") or not conf:
             ap.error(f"--variant {v!r}: expected gpumem-NAME=CONF")
         bw.GPUMEM_VARIANTS[name] = conf
-    known = set(bw.ALLOC_ENV) | set(bw.GPUMEM_VARIANTS)
+    known = set(bw.ALLOC_ENV) | set(bw.GPUMEM_VARIANTS) | {bw.GPUMEM_NATIVE}
     pairs = []
     for p in args.pairs.split(","):
         a, _, b = p.partition(":")

@@ -161,7 +161,9 @@ def child(args):
     if args.allocator != "native":
         import gpumem.torch as gt
 
-        gt.install(args.conf or None)
+        # gpumem-native: gpumem as a CUDAAllocator of its own, without PyTorch's pluggable
+        # wrapper (its build is cached after the first run); others follow GPUMEM_TORCH_NATIVE.
+        gt.install(args.conf or None, native=True if args.allocator == "gpumem-native" else None)
         gt.time_hooks(True)
     lib = build_extension(args.build_dir)
     seqs = []
@@ -325,7 +327,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace", help="PyTorch snapshot (.pickle or .pickle.gz) with a trace")
     p.add_argument("--allocators", default="native,gpumem",
-                   help="comma-separated: native, gpumem, and names given by --variant")
+                   help="comma-separated: native, gpumem, gpumem-native (gpumem without "
+                        "PyTorch's pluggable wrapper) and names given by --variant")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=CONF",
                    help="a gpumem run under configuration CONF (e.g. gpumem-page16=page:16MiB)")
     p.add_argument("--passes", type=int, default=3)
@@ -352,7 +355,7 @@ def main():
         args.allocator = args.child
         return child(args)
 
-    variants = {"native": None, "gpumem": ""}
+    variants = {"native": None, "gpumem": "", "gpumem-native": ""}
     for v in args.variant:
         name, sep, conf = v.partition("=")
         if not sep or not name:

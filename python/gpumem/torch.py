@@ -16,6 +16,10 @@ provides them in the same shapes (``memory_stats``, ``memory_summary``, ``snapsh
 keeps working. ``record_memory_history()`` turns on the allocation history that snapshots
 carry, and ``leak_report()`` lists what is still allocated.
 
+``install(native=True)`` plugs gpumem in as a ``CUDAAllocator`` of its own, compiled against
+the PyTorch at hand, instead of through ``torch.cuda.memory.CUDAPluggableAllocator``, whose
+per-pointer map and mutex cost about as much per call as PyTorch's whole allocator.
+
 Importing this module does not import PyTorch; only ``install()`` does.
 """
 
@@ -44,6 +48,7 @@ else:
 __all__ = [
     "install",
     "is_installed",
+    "install_mode",
     "conf",
     "memory_stats",
     "memory_stats_as_nested_dict",
@@ -78,6 +83,21 @@ _HOOKS = (
     ("gpumem_torch_empty_cache", "set_reset_fn"),
     ("gpumem_torch_set_memory_fraction", "set_memory_fraction_fn"),
 )
+
+# The hooks the native allocator (csrc/torch_allocator.cpp) calls, in gpumem_native_install's
+# order.
+_NATIVE_HOOKS = (
+    "gpumem_torch_alloc",
+    "gpumem_torch_free",
+    "gpumem_torch_free_any",
+    "gpumem_torch_record_stream",
+    "gpumem_torch_empty_cache",
+    "gpumem_torch_set_memory_fraction",
+)
+_NATIVE_SOURCE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_allocator.cpp"
+)
+_NATIVE_ENV = "GPUMEM_TORCH_NATIVE"
 
 _lock = threading.Lock()
 # What install() made; kept alive for the life of the process (PyTorch holds raw pointers to
@@ -116,7 +136,9 @@ def _bind_torch_oom(torch: Any) -> Optional[str]:
     return "; ".join(problems)
 
 
-def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
+def install(
+    conf: Optional[str] = None, *, patch_torch: bool = True, native: Optional[bool] = None
+) -> None:
     """Make gpumem PyTorch's CUDA allocator for this process.
 
     Must be called before PyTorch initializes CUDA (before the first CUDA tensor,
@@ -133,13 +155,23 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
             gpumem's versions (which the helpers ``memory_allocated``,
             ``max_memory_reserved``... use), since PyTorch's raise under a pluggable
             allocator.
+        native: plug gpumem in as a subclass of PyTorch's ``CUDAAllocator``, compiled on
+            first use against the PyTorch at hand (``torch.utils.cpp_extension``: needs a C++
+            compiler, ninja and the CUDA toolkit's headers; about a minute, then cached),
+            instead of through ``torch.cuda.memory.CUDAPluggableAllocator``. The pluggable
+            allocator keeps a map from every pointer to its size, device and stream under a
+            mutex, which costs about as much per call as PyTorch's own allocator; the native
+            one calls gpumem and nothing else. ``None`` reads ``GPUMEM_TORCH_NATIVE``
+            (``1`` or ``0``; unset: the pluggable allocator).
 
     Raises:
         GpumemError: PyTorch is missing or has no CUDA, CUDA was already initialized by
-            PyTorch's own allocator, or gpumem was installed with another configuration.
+            PyTorch's own allocator, gpumem was installed with another configuration or the
+            other way (``native``), or the native allocator could not be built.
         ValueError: ``conf`` is not a valid configuration.
     """
     global _installed
+    use_native = _native_wanted(native)
     with _lock:
         if _installed is not None:
             wanted = conf if conf is not None else os.environ.get("GPUMEM_CONF", "")
@@ -147,6 +179,11 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
                 raise GpumemError(
                     f"gpumem is already PyTorch's allocator with configuration "
                     f"{_installed['conf']!r}; it cannot be reinstalled with {wanted!r}"
+                )
+            if native is not None and _mode(use_native) != _installed["mode"]:
+                raise GpumemError(
+                    f"gpumem is already PyTorch's allocator through the {_installed['mode']} "
+                    f"path; it cannot be reinstalled with native={native}"
                 )
             return
         try:
@@ -168,25 +205,32 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
             )
         conf_text = _native.torch_configure(conf)
         so_path = _native_library_path()
-        pluggable = torch.cuda.memory.CUDAPluggableAllocator(so_path, _ALLOC_FN, _FREE_FN)
-        raw = pluggable.allocator()
         lib = ctypes.CDLL(so_path)
-        for fn_name, setter in _HOOKS:
-            set_fn = getattr(raw, setter, None)
-            if set_fn is None:
-                raise GpumemError(
-                    f"this PyTorch ({torch.__version__}) has no CUDAPluggableAllocator.{setter}; "
-                    "gpumem needs it (PyTorch >= 2.3)"
-                )
-            set_fn(_function_address(lib, fn_name))
+        if use_native:
+            # Built before anything else: a build error leaves PyTorch's allocator in place.
+            allocator: Any = _build_native_allocator(torch)
+        else:
+            allocator = torch.cuda.memory.CUDAPluggableAllocator(so_path, _ALLOC_FN, _FREE_FN)
+            raw = allocator.allocator()
+            for fn_name, setter in _HOOKS:
+                set_fn = getattr(raw, setter, None)
+                if set_fn is None:
+                    raise GpumemError(
+                        f"this PyTorch ({torch.__version__}) has no "
+                        f"CUDAPluggableAllocator.{setter}; gpumem needs it (PyTorch >= 2.3)"
+                    )
+                set_fn(_function_address(lib, fn_name))
         oom_problem = _bind_torch_oom(torch)
-        try:
-            torch.cuda.memory.change_current_allocator(pluggable)
-        except RuntimeError as e:
-            raise GpumemError(
-                f"PyTorch refused to switch to gpumem ({e}); call gpumem.torch.install() before "
-                "anything initializes CUDA"
-            ) from e
+        if use_native:
+            _switch_to_native(allocator, lib)
+        else:
+            try:
+                torch.cuda.memory.change_current_allocator(allocator)
+            except RuntimeError as e:
+                raise GpumemError(
+                    f"PyTorch refused to switch to gpumem ({e}); call gpumem.torch.install() "
+                    "before anything initializes CUDA"
+                ) from e
         if oom_problem is not None:
             warnings.warn(
                 "gpumem: out-of-memory errors will be raised as RuntimeError, not "
@@ -197,12 +241,113 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True) -> None:
             )
         _installed = {
             "conf": conf_text,
-            "allocator": pluggable,
+            "mode": _mode(use_native),
+            "allocator": allocator,
             "library": lib,
             "oom_problem": oom_problem,
         }
         if patch_torch:
             _patch_torch(torch)
+
+
+def _native_wanted(native: Optional[bool]) -> bool:
+    """``install``'s ``native`` argument, or ``GPUMEM_TORCH_NATIVE`` when it is None."""
+    if native is not None:
+        return bool(native)
+    text = os.environ.get(_NATIVE_ENV, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise GpumemError(f"{_NATIVE_ENV}={text!r}: expected 1 or 0")
+
+
+def _mode(native: bool) -> str:
+    return "native" if native else "pluggable"
+
+
+def _native_build_dir(torch: Any) -> str:
+    """Where the native allocator is built: ``GPUMEM_NATIVE_BUILD_DIR``, else a folder of
+    gpumem's cache per PyTorch version (cpp_extension rebuilds when the source changes)."""
+    explicit = os.environ.get("GPUMEM_NATIVE_BUILD_DIR")
+    if explicit:
+        return explicit
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    tag = "".join(c if c.isalnum() or c in ".-_" else "_" for c in str(torch.__version__))
+    return os.path.join(cache, "gpumem", f"torch-{tag}")
+
+
+def _build_native_allocator(torch: Any) -> ctypes.CDLL:
+    """Compiles (or loads the cached build of) csrc/torch_allocator.cpp against this
+    PyTorch, without initializing CUDA."""
+    if not os.path.exists(_NATIVE_SOURCE):
+        raise GpumemError(f"gpumem's native allocator source is missing: {_NATIVE_SOURCE}")
+    from torch.utils.cpp_extension import load
+
+    build_dir = _native_build_dir(torch)
+    try:
+        os.makedirs(build_dir, exist_ok=True)
+    except OSError as e:
+        raise GpumemError(
+            f"cannot make the native allocator's build folder {build_dir}: {e} "
+            "(GPUMEM_NATIVE_BUILD_DIR chooses another)"
+        ) from e
+    name = "gpumem_torch_allocator"
+    if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+        print(
+            f"gpumem: compiling the native PyTorch allocator into {build_dir} "
+            "(once per PyTorch version; about a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
+    # Unless TORCH_CUDA_ARCH_LIST is set, cpp_extension asks every visible GPU for its
+    # architecture, which initializes CUDA, after which PyTorch refuses the switch. The source
+    # has no device code, so any architecture will do.
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not saved:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    try:
+        path = load(
+            name=name,
+            sources=[_NATIVE_SOURCE],
+            extra_cflags=["-O2"],
+            with_cuda=True,
+            is_python_module=False,
+            build_directory=build_dir,
+            verbose=False,
+        )
+    except Exception as e:
+        raise GpumemError(
+            f"could not build gpumem's native PyTorch allocator ({type(e).__name__}: {e}); it "
+            "needs a C++ compiler, ninja and the CUDA toolkit (CUDA_HOME). "
+            "install(native=False) uses PyTorch's pluggable allocator instead"
+        ) from e
+    finally:
+        if not saved:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+    if torch.cuda.is_initialized():
+        raise GpumemError(
+            "building gpumem's native allocator initialized CUDA, so PyTorch would refuse it; "
+            "use install(native=False)"
+        )
+    nat = ctypes.CDLL(path)
+    nat.gpumem_native_install.restype = ctypes.c_int
+    nat.gpumem_native_install.argtypes = [ctypes.c_void_p] * len(_NATIVE_HOOKS) + [
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
+    return nat
+
+
+def _switch_to_native(nat: ctypes.CDLL, lib: ctypes.CDLL) -> None:
+    """Makes the built native allocator PyTorch's; it calls gpumem._native's hooks."""
+    addrs = [_function_address(lib, n) for n in _NATIVE_HOOKS]
+    err = ctypes.create_string_buffer(1024)
+    if nat.gpumem_native_install(*addrs, err, len(err)) != 0:
+        raise GpumemError(
+            f"PyTorch refused gpumem's native allocator ({err.value.decode(errors='replace')}); "
+            "call gpumem.torch.install() before anything initializes CUDA"
+        )
 
 
 def _native_allocator_holdings(torch: Any) -> str:
@@ -218,6 +363,13 @@ def _native_allocator_holdings(torch: Any) -> str:
 def is_installed() -> bool:
     """Whether gpumem is PyTorch's allocator in this process."""
     return _installed is not None
+
+
+def install_mode() -> Optional[str]:
+    """How gpumem is plugged into PyTorch: ``"native"`` (``install(native=True)``),
+    ``"pluggable"`` (``torch.cuda.memory.CUDAPluggableAllocator``), or None before
+    :func:`install`."""
+    return None if _installed is None else _installed["mode"]
 
 
 def conf() -> Optional[str]:

@@ -307,3 +307,15 @@ def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path):
     slo, shi = g["median_step_ratio_ci95"]
     assert rlo <= slo <= shi <= rhi
     assert rows["native-again"]["median_step_ratio_runs_ci95"] is None
+
+
+def test_gpumem_native_runs_ask_for_the_native_path_and_others_do_not(monkeypatch):
+    bw = load("bench_workloads")
+    monkeypatch.delenv("GPUMEM_TORCH_NATIVE", raising=False)
+    assert bw.allocator_env("gpumem-native")["GPUMEM_TORCH_NATIVE"] == "1"
+    assert bw.is_gpumem("gpumem-native")
+    for other in ("gpumem", "gpumem-caching", "native"):
+        assert "GPUMEM_TORCH_NATIVE" not in bw.allocator_env(other), other
+    # Given by the caller, the choice reaches "gpumem" runs unchanged.
+    monkeypatch.setenv("GPUMEM_TORCH_NATIVE", "1")
+    assert bw.allocator_env("gpumem")["GPUMEM_TORCH_NATIVE"] == "1"

@@ -426,3 +426,64 @@ def test_hook_time_counts_exactly_the_calls_made_while_on():
 
     _native.torch_free(_native.torch_alloc(4096, dev, 0), dev, 0)
     assert gpumem.torch.hook_time() == on, "switched off: nothing more counted"
+
+
+# The native allocator (install(native=True)): what can be checked without PyTorch.
+
+
+def test_native_choice_comes_from_the_argument_or_the_environment(monkeypatch):
+    wanted = gpumem.torch._native_wanted
+    monkeypatch.delenv("GPUMEM_TORCH_NATIVE", raising=False)
+    assert wanted(None) is False, "the pluggable allocator by default"
+    assert wanted(True) is True
+    for text, expected in (("1", True), ("yes", True), ("0", False), ("", False)):
+        monkeypatch.setenv("GPUMEM_TORCH_NATIVE", text)
+        assert wanted(None) is expected, text
+    monkeypatch.setenv("GPUMEM_TORCH_NATIVE", "1")
+    assert wanted(False) is False, "the argument wins over the environment"
+    monkeypatch.setenv("GPUMEM_TORCH_NATIVE", "maybe")
+    with pytest.raises(gpumem.GpumemError, match="GPUMEM_TORCH_NATIVE='maybe': expected 1 or 0"):
+        wanted(None)
+    # install() refuses it before anything else (PyTorch or not).
+    with pytest.raises(gpumem.GpumemError, match="GPUMEM_TORCH_NATIVE"):
+        gpumem.torch.install()
+    assert gpumem.torch.install_mode() is None and not gpumem.torch.is_installed()
+
+
+def test_native_allocator_ships_its_source_and_finds_every_hook():
+    import ctypes
+    import re
+
+    src = open(gpumem.torch._NATIVE_SOURCE).read()
+    signature = re.search(r'extern "C" int gpumem_native_install\(([^)]*)\)', src)
+    assert signature, "the C entry point install() calls"
+    params = [p.strip() for p in signature.group(1).split(",")]
+    # One address per hook, in _NATIVE_HOOKS' order, then the error buffer and its length.
+    assert len(params) == len(gpumem.torch._NATIVE_HOOKS) + 2, params
+    assert all(p.startswith("uintptr_t") for p in params[:-2]), params
+    lib = ctypes.CDLL(_native.__file__)
+    for name in gpumem.torch._NATIVE_HOOKS:
+        assert gpumem.torch._function_address(lib, name) > 0, name
+
+
+def test_free_by_pointer_alone_finds_the_device_and_stream():
+    # gpumem_torch_free_any, the native allocator's raw_delete, called as C++ calls it.
+    import ctypes
+
+    free_any = ctypes.CDLL(_native.__file__).gpumem_torch_free_any
+    free_any.argtypes = [ctypes.c_void_p]
+    free_any.restype = None
+    dev = 6
+    before = gpumem.torch.memory_allocated(dev)
+    on_side_stream = _native.torch_alloc(3 * MIB, dev, 0xABC)
+    small = _native.torch_alloc(700, dev, 0)
+    assert gpumem.torch.memory_allocated(dev) == before + 3 * MIB + 1024
+    errors_before = gpumem.torch.error_counts()
+    free_any(on_side_stream)
+    free_any(small)
+    free_any(None)  # null: nothing to do
+    assert gpumem.torch.memory_allocated(dev) == before
+    assert gpumem.torch.error_counts() == errors_before, "found without naming device or stream"
+    free_any(small)  # now a double free: counted, not fatal
+    after = gpumem.torch.error_counts()
+    assert after["double_frees"] == errors_before["double_frees"] + 1

@@ -27,7 +27,16 @@ gpumem.torch.install()
 """
 
 
-def test_install_then_train_a_small_model():
+@pytest.fixture(autouse=True, params=["pluggable", "native"])
+def install_path(request, monkeypatch):
+    """Every test runs twice: with gpumem behind PyTorch's CUDAPluggableAllocator, and as a
+    CUDAAllocator of its own (install(native=True)). The children's install() calls read the
+    choice from GPUMEM_TORCH_NATIVE."""
+    monkeypatch.setenv("GPUMEM_TORCH_NATIVE", "1" if request.param == "native" else "0")
+    return request.param
+
+
+def test_install_then_train_a_small_model(install_path):
     r = run_python(
         PRELUDE
         + """
@@ -51,7 +60,7 @@ print(json.dumps({
     "torch_allocated": torch.cuda.memory_allocated(), "torch_max_reserved": torch.cuda.max_memory_reserved(),
     "devices": gpumem.torch.devices(), "errors": gpumem.torch.error_counts(),
     "oom_type": gpumem.torch.oom_exception(), "conf": gpumem.torch.conf(),
-    "backend": torch.cuda.get_allocator_backend(),
+    "backend": torch.cuda.get_allocator_backend(), "mode": gpumem.torch.install_mode(),
 }))
 """
     )
@@ -70,7 +79,32 @@ print(json.dumps({
     assert r["devices"] == [0]
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
     assert r["oom_type"] == "c10::OutOfMemoryError"
-    assert r["backend"] == "pluggable"
+    # The allocator PyTorch calls names itself: PyTorch's wrapper, or gpumem's own class.
+    assert r["backend"] == {"pluggable": "pluggable", "native": "gpumem"}[install_path]
+    assert r["mode"] == install_path
+
+
+def test_raw_allocations_on_a_side_stream_are_freed_by_pointer_alone():
+    # torch.cuda.caching_allocator_alloc/delete: PyTorch's raw path (cuBLAS workspaces, NCCL,
+    # thrust). Under the native allocator the delete carries only the pointer, so gpumem must
+    # find the block itself, on whichever stream it was allocated.
+    r = run_python(
+        PRELUDE
+        + """
+side = torch.cuda.Stream()
+base = gpumem.torch.memory_stats()["allocated_bytes.all.current"]
+ptrs = [torch.cuda.caching_allocator_alloc(1 << 20, stream=side) for _ in range(4)]
+ptrs += [torch.cuda.caching_allocator_alloc(3000) for _ in range(4)]
+held = gpumem.torch.memory_stats()["allocated_bytes.all.current"] - base
+for p in ptrs:
+    torch.cuda.caching_allocator_delete(p)
+after = gpumem.torch.memory_stats()["allocated_bytes.all.current"] - base
+print(json.dumps({"held": held, "after": after, "errors": gpumem.torch.error_counts()}))
+"""
+    )
+    assert r["held"] == 4 * (1 << 20) + 4 * 3072, r
+    assert r["after"] == 0, r
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
 def test_stats_match_what_was_allocated():

@@ -1,8 +1,10 @@
 """install() inside a real PyTorch process, GPU or not (skipped without PyTorch): PyTorch's
-pluggable-allocator API accepts gpumem's functions and hooks, and c10::OutOfMemoryError is bound
-from the loaded libc10, so that an out-of-memory failure thrown by the exported allocation
-function is that type. The allocation is served by a simulated device and made through the
-exported C function from C++ (as PyTorch calls it), so no GPU is needed and no tensor is made."""
+pluggable-allocator API accepts gpumem's functions and hooks, the native path
+(install(native=True)) builds against this PyTorch and becomes its allocator, and
+c10::OutOfMemoryError is bound from the loaded libc10, so that an out-of-memory failure thrown
+by the exported allocation function is that type. Allocations are served by a simulated device
+and made through the exported C functions (as PyTorch calls them), so no GPU is needed and no
+tensor is made."""
 
 import pytest
 
@@ -51,3 +53,112 @@ print(json.dumps({
     assert r["served"] == "returned"
     # torch.cuda.memory_stats (patched) has exactly the keys of PyTorch's own.
     assert set(r["keys"]) == TORCH_STAT_KEYS
+
+
+def _native_build_reason():
+    """Why install(native=True) cannot build here (None if it can): it needs PyTorch, a C++
+    compiler, ninja and a CUDA toolkit's headers."""
+    if not HAVE_TORCH:
+        return "PyTorch is not installed"
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA toolkit (CUDA_HOME) for torch.utils.cpp_extension"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed"
+    return None
+
+
+@pytest.mark.skipif(_native_build_reason() is not None, reason=str(_native_build_reason()))
+def test_native_install_builds_and_switches_pytorch_without_touching_cuda(tmp_path):
+    # install(native=True) in a real PyTorch process, served by a simulated device: the
+    # extension builds against this PyTorch, PyTorch's current allocator becomes gpumem's own
+    # class (its name says so), and the build never asks a GPU for its architecture (that
+    # would initialize CUDA, after which PyTorch refuses any switch): a GPU is faked whose
+    # capability query fails the test if called.
+    r = run_python(
+        """
+import json, os, warnings, torch, gpumem
+from gpumem import _native
+_native.torch_use_simulated_devices(1, 1 << 30)
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+asked = []
+def capability(*a, **k):
+    asked.append(a)
+    raise RuntimeError("the build asked the GPU for its architecture")
+torch.cuda.get_device_capability = capability
+os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    gpumem.torch.install(conf="policy:stitched", native=True)
+kind, cpp_type, what = _native.torch_call_alloc_from_cpp(4 << 30, 0, 0)
+# PyTorch's own C++ entry points now reach gpumem through the native class: raw_delete
+# (which knows only the pointer; one block was made on another stream) and empty_cache.
+p = _native.torch_alloc(3 << 20, 0, 0)
+q = _native.torch_alloc(5000, 0, 0x77)
+allocated = gpumem.torch.memory_allocated(0)
+torch.cuda.caching_allocator_delete(p)
+torch._C._cuda_cudaCachingAllocator_raw_delete(q)
+after_delete = gpumem.torch.memory_allocated(0)
+reserved = gpumem.torch.memory_reserved(0)
+torch._C._cuda_emptyCache()
+print(json.dumps({
+    "allocated": allocated, "after_delete": after_delete, "reserved": reserved,
+    "after_empty": gpumem.torch.memory_reserved(0), "errors": gpumem.torch.error_counts(),
+    "mode": gpumem.torch.install_mode(),
+    "backend": torch._C._cuda_getAllocatorBackend(),
+    "asked": len(asked),
+    "arch_env_left": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+    "initialized": torch.cuda.is_initialized(),
+    "warnings": [str(x.message) for x in w if "gpumem" in str(x.message)],
+    "oom_exception": gpumem.torch.oom_exception(),
+    "patched": torch.cuda.memory_stats is gpumem.torch.memory_stats,
+    "thrown": [kind, cpp_type],
+}))
+""",
+        env={"GPUMEM_NATIVE_BUILD_DIR": str(tmp_path / "build")},
+    )
+    assert r["mode"] == "native"
+    assert r["backend"] == "gpumem", "PyTorch's allocator is gpumem's own class"
+    assert r["asked"] == 0 and r["arch_env_left"] is None and not r["initialized"]
+    assert r["warnings"] == []
+    assert r["oom_exception"] == "c10::OutOfMemoryError"
+    assert r["patched"]
+    assert r["thrown"] == ["threw", "c10::OutOfMemoryError"]
+    assert (tmp_path / "build" / "gpumem_torch_allocator.so").exists()
+    assert r["allocated"] == (3 << 20) + 5120
+    assert r["after_delete"] == 0, "both blocks found by their pointer alone"
+    assert r["reserved"] > 0 and r["after_empty"] == 0
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+def test_native_install_that_cannot_build_leaves_pytorch_alone(tmp_path):
+    # A build that fails (here: the build folder is a file) is a GpumemError that says what
+    # the native path needs, and PyTorch's allocator stays its own.
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    r = run_python(
+        """
+import json, torch, gpumem
+from gpumem import _native
+_native.torch_use_simulated_devices(1, 1 << 30)
+torch.cuda.is_available = lambda: True
+try:
+    gpumem.torch.install(native=True)
+    err = None
+except gpumem.GpumemError as e:
+    err = str(e)
+print(json.dumps({"error": err, "installed": gpumem.torch.is_installed(),
+                  "backend": torch._C._cuda_getAllocatorBackend()}))
+""",
+        env={"GPUMEM_NATIVE_BUILD_DIR": str(blocker / "build")},
+    )
+    assert r["error"] is not None
+    assert not r["installed"]
+    assert r["backend"] == "native", "PyTorch's own allocator is still in place"

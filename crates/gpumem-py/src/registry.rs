@@ -590,6 +590,47 @@ impl Registry {
         }
     }
 
+    /// Frees `ptr` on whichever device gpumem allocated it: for callers that know only the
+    /// pointer (the native allocator's `raw_delete`, `gpumem.torch.install(native=True)`).
+    /// Devices are tried in order, each looking first at the null stream's blocks. Never
+    /// fails: misuse is counted and reported once, as in [`Registry::free`].
+    pub fn free_any(&self, ptr: DevPtr) -> FreeOutcome {
+        let t = self.clock.start();
+        let r = self.free_any_untimed(ptr);
+        self.clock.stop(Hook::Free, t);
+        r
+    }
+
+    fn free_any_untimed(&self, ptr: DevPtr) -> FreeOutcome {
+        if ptr == 0 {
+            return FreeOutcome::Null;
+        }
+        let c = &self.counters;
+        for (d, slot) in self.slots.iter().enumerate() {
+            let Some(slot) = slot.get() else { continue };
+            match slot.alloc.free_on(ptr, 0) {
+                Ok(()) => return FreeOutcome::Freed,
+                Err(AllocError::UnknownPointer { .. }) => continue,
+                Err(AllocError::DoubleFree { .. }) => {
+                    c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
+                        format!("double free of {ptr:#x} (allocated on device {d})")
+                    });
+                    return FreeOutcome::DoubleFree;
+                }
+                Err(e) => {
+                    c.count(WARN_FREE_ERROR, &c.free_errors, || {
+                        format!("free of {ptr:#x} on device {d} failed: {e}")
+                    });
+                    return FreeOutcome::Failed;
+                }
+            }
+        }
+        c.count(WARN_FOREIGN, &c.foreign_frees, || {
+            format!("free of {ptr:#x}, which gpumem did not allocate on any device")
+        });
+        FreeOutcome::Foreign
+    }
+
     /// A free that named `device` for a live block of another device (PyTorch names the right
     /// one; a hand-written caller may not): freed where it lives, reported once, rather than
     /// leaked. `None` if no other device has it live.
@@ -837,6 +878,35 @@ mod tests {
         assert_eq!(counts[1], ("double_frees", 1));
         assert!(!r.record_stream(0xdead_0000, 3));
         assert_eq!(r.counters.record_stream_foreign.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn free_any_finds_the_device_and_stream_itself() {
+        // The native allocator's raw_delete knows only the pointer: blocks of the second
+        // device and of a side stream are found, and each misuse is reported as by `free`.
+        let r = sim(2, 1 << 30, false);
+        let on0 = r.alloc(3 * MIB, 0, 0).unwrap();
+        let on1_side = r.alloc(1000, 1, 7).unwrap();
+        assert_eq!(r.free_any(on1_side), FreeOutcome::Freed);
+        assert_eq!(r.memory_stats(1).allocated_bytes.all.current, 0);
+        assert_eq!(
+            r.memory_stats(0).allocated_bytes.all.current,
+            (3 * MIB) as i64,
+            "device 0's block untouched"
+        );
+        assert_eq!(r.free_any(on0), FreeOutcome::Freed);
+        assert_eq!(r.memory_stats(0).allocated_bytes.all.current, 0);
+        assert_eq!(r.free_any(0), FreeOutcome::Null);
+        assert_eq!(r.free_any(on0), FreeOutcome::DoubleFree);
+        assert_eq!(r.free_any(0xdead_0000), FreeOutcome::Foreign);
+        let counts: Vec<_> = r.counters.snapshot();
+        assert_eq!(counts[0], ("foreign_frees", 1));
+        assert_eq!(counts[1], ("double_frees", 1));
+        assert_eq!(
+            r.counters.wrong_device_frees.load(Ordering::Relaxed),
+            0,
+            "no device was named, so none was wrong"
+        );
     }
 
     #[test]

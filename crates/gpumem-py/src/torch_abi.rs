@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`gpumem_torch_alloc`] | alloc (constructor) | `void* (size_t size, int device, cudaStream_t stream)` |
 //! | [`gpumem_torch_free`] | free (constructor) | `void (void* ptr, size_t size, int device, cudaStream_t stream)` |
+//! | [`gpumem_torch_free_any`] | the native allocator's `raw_delete` (not a pluggable hook) | `void (void* ptr)` |
 //! | [`gpumem_torch_record_stream`] | `set_record_stream_fn` | `void (void* ptr, cudaStream_t stream)` |
 //! | [`gpumem_torch_empty_cache`] | `set_reset_fn` (`torch.cuda.empty_cache`) | `void ()` |
 //! | [`gpumem_torch_set_memory_fraction`] | `set_memory_fraction_fn` | `void (double fraction, int device)` |
@@ -104,6 +105,19 @@ pub extern "C" fn gpumem_torch_free(
     let r = catch_unwind(AssertUnwindSafe(|| {
         global().free(ptr as u64, device, stream as u64)
     }));
+    if r.is_err() {
+        warn(format_args!(
+            "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
+        ));
+    }
+}
+
+/// Frees `ptr` wherever gpumem allocated it: the native allocator's `raw_delete` and
+/// `raw_deleter` (`python/gpumem/csrc/torch_allocator.cpp`), which know only the pointer.
+/// Never throws; misuse is counted and reported once, as in [`gpumem_torch_free`].
+#[no_mangle]
+pub extern "C" fn gpumem_torch_free_any(ptr: *mut c_void) {
+    let r = catch_unwind(AssertUnwindSafe(|| global().free_any(ptr as u64)));
     if r.is_err() {
         warn(format_args!(
             "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"

@@ -1,0 +1,246 @@
+// gpumem as PyTorch's CUDA allocator, subclassing c10's CUDAAllocator directly instead of going
+// through torch.cuda.memory.CUDAPluggableAllocator (`gpumem.torch.install(native=True)`).
+//
+// Why: the pluggable allocator wraps every call in a mutex and an unordered_map that records
+// each pointer's size, device and stream (a node allocated per tensor), and calls gpumem
+// through std::function. Session 33 measured that wrapper at 406-612 ns per call from cold
+// caches on the H200 host, about what PyTorch's whole native allocator costs per call. Here a
+// tensor's allocation is one call into gpumem and its deleter another: gpumem finds the block
+// by its address, so nothing is recorded per pointer on this side.
+//
+// gpumem.torch builds this file with torch.utils.cpp_extension against the PyTorch it runs
+// with (no Python bindings: one C function, called through ctypes) and passes the addresses
+// of gpumem._native's exported hooks (crates/gpumem-py/src/torch_abi.rs). Errors from gpumem
+// arrive as C++ exceptions thrown by those hooks (c10::OutOfMemoryError once gpumem bound it),
+// which pass through this file unchanged.
+//
+// Everything PyTorch asks of an allocator beyond allocation, frees, record_stream,
+// empty_cache and the memory fraction behaves as under the pluggable allocator: statistics,
+// snapshots and history are gpumem's own Python functions (install() points torch.cuda's at
+// them), and the rest raises a clear error.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+// gpumem._native's hooks (signatures in torch_abi.rs).
+using AllocFn = void* (*)(size_t size, int device, cudaStream_t stream);
+using FreeFn = void (*)(void* ptr, size_t size, int device, cudaStream_t stream);
+using FreeAnyFn = void (*)(void* ptr);
+using RecordStreamFn = void (*)(void* ptr, cudaStream_t stream);
+using EmptyCacheFn = void (*)();
+using FractionFn = void (*)(double fraction, int device);
+
+struct Hooks {
+  AllocFn alloc = nullptr;
+  FreeFn free = nullptr;
+  FreeAnyFn free_any = nullptr;
+  RecordStreamFn record_stream = nullptr;
+  EmptyCacheFn empty_cache = nullptr;
+  FractionFn set_fraction = nullptr;
+};
+
+// Written once by gpumem_native_install before the allocator is published to PyTorch (an
+// atomic store in changeCurrentAllocator), read-only afterwards.
+Hooks hooks;
+
+// A tensor's deleter gets only its pointer, so there is one deleter per device: freeing names
+// the device the block came from, and gpumem's free looks the block up by address (the null
+// stream only says which of the device's streams to look at first).
+template <int Device>
+void free_on_device(void* ptr) {
+  hooks.free(ptr, 0, Device, nullptr);
+}
+
+template <size_t... I>
+constexpr std::array<c10::DeleterFnPtr, sizeof...(I)> deleter_table(std::index_sequence<I...>) {
+  return {{&free_on_device<static_cast<int>(I)>...}};
+}
+
+constexpr auto kDeleters = deleter_table(std::make_index_sequence<C10_COMPILE_TIME_MAX_GPUS>{});
+
+// For pointers whose device is not known here (raw_delete, raw_deleter): gpumem searches.
+void free_anywhere(void* ptr) {
+  hooks.free_any(ptr);
+}
+
+[[noreturn]] void unsupported(const char* what) {
+  TORCH_CHECK(false, "gpumem's allocator does not support ", what,
+              "; gpumem.torch provides memory_stats(), memory_summary(), snapshot() and "
+              "record_memory_history(), and install() points torch.cuda's functions at them");
+}
+
+c10::DeviceIndex current_device() {
+  c10::DeviceIndex device = -1;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  return device;
+}
+
+class GpumemAllocator final : public cca::CUDAAllocator {
+ public:
+  // --- the hot path -------------------------------------------------------------------------
+
+  c10::DataPtr allocate(size_t n) override {
+    const c10::DeviceIndex device = current_device();
+    TORCH_CHECK(device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS, "gpumem: device index ",
+                static_cast<int>(device), " out of range");
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    void* ptr = hooks.alloc(n, device, stream);  // throws on failure; null for 0 bytes
+    return {ptr, ptr, kDeleters[static_cast<size_t>(device)],
+            c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &free_anywhere; }
+
+  void* raw_alloc(size_t nbytes) override {
+    const c10::DeviceIndex device = current_device();
+    return hooks.alloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return hooks.alloc(nbytes, current_device(), stream);
+  }
+
+  void raw_delete(void* ptr) override { hooks.free_any(ptr); }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    hooks.record_stream(ptr.get(), stream.stream());
+  }
+  using cca::CUDAAllocator::recordStream;
+
+  // --- what gpumem answers --------------------------------------------------------------------
+
+  void init(int /*device_count*/) override { initialized_ = true; }
+  bool initialized() override { return initialized_; }
+  void emptyCache(c10::MempoolId_t /*mempool_id*/) override { hooks.empty_cache(); }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    hooks.set_fraction(fraction, device);
+  }
+  void enable(bool value) override { enabled_ = value; }
+  bool isEnabled() const override { return enabled_; }
+  // As the pluggable allocator: a block is its own base allocation.
+  void* getBaseAllocation(void* ptr, size_t* /*size*/) override { return ptr; }
+  // CUDA graph pools: allocations during capture come from gpumem's pool as any other (as
+  // under the pluggable allocator, which gpumem gives no pool hooks).
+  void beginAllocateToPool(c10::DeviceIndex, c10::MempoolId_t,
+                           std::function<bool(cudaStream_t)>) override {}
+  void endAllocateToPool(c10::DeviceIndex, c10::MempoolId_t) override {}
+  void releasePool(c10::DeviceIndex, c10::MempoolId_t) override {}
+  std::string name() override { return "gpumem"; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();  // already on: clear the sticky error
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+
+  // gpumem's memory is mapped with cuMemMap (stitched) or cuMemAlloc'd; without peer access a
+  // copy between two devices must name both (cudaMemcpyPeerAsync), as PyTorch's own does.
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice,
+                          size_t count, cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  // --- what PyTorch's pluggable allocator does not support either ---------------------------
+
+  double getMemoryFraction(c10::DeviceIndex) override { unsupported("getMemoryFraction"); }
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
+    unsupported("getExpandableSegmentSizes");
+  }
+  void cacheInfo(c10::DeviceIndex, size_t*) override { unsupported("cacheInfo"); }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
+    unsupported("getDeviceStats (torch.cuda.memory_stats)");
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {
+    unsupported("resetAccumulatedStats");
+  }
+  void resetPeakStats(c10::DeviceIndex) override { unsupported("resetPeakStats"); }
+  cca::SnapshotInfo snapshot(c10::MempoolId_t, bool) override {
+    unsupported("snapshot (torch.cuda.memory._snapshot)");
+  }
+  cca::ShareableHandle shareIpcHandle(void*) override { unsupported("shareIpcHandle"); }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override { unsupported("getIpcDevPtr"); }
+  void recordHistory(bool, cca::CreateContextFn, size_t, cca::RecordContext, bool,
+                     const std::vector<std::string>&) override {
+    unsupported("recordHistory (torch.cuda.memory._record_memory_history)");
+  }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver) override {
+    unsupported("attachOutOfMemoryObserver");
+  }
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
+    unsupported("attachAllocatorTraceTracker");
+  }
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
+                                                          c10::MempoolId_t) override {
+    unsupported("getCheckpointState");
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
+                                              std::shared_ptr<cca::AllocatorState>) override {
+    unsupported("setCheckpointPoolState");
+  }
+
+ private:
+  bool initialized_ = false;
+  bool enabled_ = true;
+};
+
+void report(char* err, int err_len, const std::string& msg) {
+  if (err && err_len > 0) std::snprintf(err, static_cast<size_t>(err_len), "%s", msg.c_str());
+}
+
+}  // namespace
+
+// Makes gpumem PyTorch's CUDA allocator, given the addresses of gpumem._native's hooks.
+// Returns 0, or 1 with a message in `err` (PyTorch refuses once its own allocator has been
+// initialized; a hook address is missing).
+extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr_t free_any,
+                                     uintptr_t record_stream, uintptr_t empty_cache,
+                                     uintptr_t set_fraction, char* err, int err_len) {
+  if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction) {
+    report(err, err_len, "a gpumem hook address is null");
+    return 1;
+  }
+  try {
+    hooks.alloc = reinterpret_cast<AllocFn>(alloc);
+    hooks.free = reinterpret_cast<FreeFn>(free_fn);
+    hooks.free_any = reinterpret_cast<FreeAnyFn>(free_any);
+    hooks.record_stream = reinterpret_cast<RecordStreamFn>(record_stream);
+    hooks.empty_cache = reinterpret_cast<EmptyCacheFn>(empty_cache);
+    hooks.set_fraction = reinterpret_cast<FractionFn>(set_fraction);
+    // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
+    // PyTorch's own allocator has not been initialized.
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
+        std::make_shared<GpumemAllocator>());
+    return 0;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  } catch (...) {
+    report(err, err_len, "unknown exception");
+  }
+  return 1;
+}
