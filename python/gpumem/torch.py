@@ -93,6 +93,7 @@ _NATIVE_HOOKS = (
     "gpumem_torch_record_stream",
     "gpumem_torch_empty_cache",
     "gpumem_torch_set_memory_fraction",
+    "gpumem_torch_cache_info",
 )
 _NATIVE_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_allocator.cpp"

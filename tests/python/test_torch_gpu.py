@@ -84,6 +84,37 @@ print(json.dumps({
     assert r["mode"] == install_path
 
 
+def test_cudnn_benchmark_mode_sizes_its_workspace_by_gpumem(install_path):
+    # torch.backends.cudnn.benchmark asks the allocator how large a workspace it may take
+    # (c10's cacheInfo). gpumem's native allocator answers; PyTorch's pluggable allocator has
+    # no such hook and raises, which this test reports as a skip with PyTorch's message.
+    r = run_python(
+        PRELUDE
+        + """
+torch.backends.cudnn.benchmark = True
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 7, stride=2, padding=3), torch.nn.ReLU(),
+                        torch.nn.Conv2d(64, 64, 3, padding=1)).cuda()
+x = torch.randn(16, 3, 224, 224, device="cuda")
+try:
+    for _ in range(3):
+        m(x).square().mean().backward()
+    torch.cuda.synchronize()
+    out = {"ok": True, "grad": float(m[0].weight.grad.abs().sum().item())}
+except RuntimeError as e:
+    out = {"ok": False, "error": str(e)[:400]}
+out["errors"] = gpumem.torch.error_counts()
+print(json.dumps(out))
+"""
+    )
+    if install_path == "pluggable" and not r["ok"]:
+        assert "cacheInfo" in r["error"], r
+        pytest.skip(f"PyTorch's pluggable allocator cannot run cudnn.benchmark: {r['error'][:160]}")
+    assert r["ok"], r
+    assert r["grad"] > 0
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
 def test_raw_allocations_on_a_side_stream_are_freed_by_pointer_alone():
     # torch.cuda.caching_allocator_alloc/delete: PyTorch's raw path (cuBLAS workspaces, NCCL,
     # thrust). Under the native allocator the delete carries only the pointer, so gpumem must

@@ -107,9 +107,17 @@ torch._C._cuda_cudaCachingAllocator_raw_delete(q)
 after_delete = gpumem.torch.memory_allocated(0)
 reserved = gpumem.torch.memory_reserved(0)
 torch._C._cuda_emptyCache()
+after_empty = gpumem.torch.memory_reserved(0)
+# cuDNN's benchmark mode asks c10's cacheInfo how large a workspace it may take.
+import ctypes
+nat = gpumem.torch._installed["allocator"]
+largest = ctypes.c_size_t(0)
+keep = _native.torch_alloc(100 << 20, 0, 0)
+cache_rc = nat.gpumem_native_cache_info(0, ctypes.byref(largest))
 print(json.dumps({
+    "cache_info": [cache_rc, largest.value],
     "allocated": allocated, "after_delete": after_delete, "reserved": reserved,
-    "after_empty": gpumem.torch.memory_reserved(0), "errors": gpumem.torch.error_counts(),
+    "after_empty": after_empty, "errors": gpumem.torch.error_counts(),
     "mode": gpumem.torch.install_mode(),
     "backend": torch._C._cuda_getAllocatorBackend(),
     "asked": len(asked),
@@ -135,6 +143,9 @@ print(json.dumps({
     assert r["after_delete"] == 0, "both blocks found by their pointer alone"
     assert r["reserved"] > 0 and r["after_empty"] == 0
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
+    # 1 GiB simulated, 100 MiB live: the rest can still be served (PyTorch's pluggable
+    # allocator raises here instead).
+    assert r["cache_info"] == [0, (1 << 30) - (100 << 20)]
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")

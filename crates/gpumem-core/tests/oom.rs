@@ -153,3 +153,45 @@ fn already_stitched_is_not_told_to_stitch() {
         r.suggestion()
     );
 }
+
+/// Ten 8 MiB tensors, every other one freed: 40 MiB live and 40 MiB cached in 8 MiB pieces.
+fn half_freed(a: &Allocator) -> Vec<gpumem_core::Allocation> {
+    let blocks: Vec<_> = (0..10).map(|_| a.allocate(8 * MIB, 0).unwrap()).collect();
+    for b in blocks.iter().step_by(2) {
+        a.free_allocation(b).unwrap();
+    }
+    blocks
+}
+
+/// `largest_obtainable` (PyTorch's `cacheInfo`, which cuDNN sizes its workspaces by) brackets
+/// what the next allocation can really get: a request a page under it succeeds, one a few MiB
+/// over it runs out of memory, with and without a cap. Two allocators built alike answer the
+/// two requests, since a failed one releases the cache.
+#[test]
+fn largest_obtainable_is_what_the_next_allocation_can_get() {
+    for conf in ["policy:native", "policy:caching", "policy:stitched", ""] {
+        for fraction in [None, Some(0.5)] {
+            let build = || {
+                let a = allocator(256 * MIB, 0, conf);
+                if let Some(f) = fraction {
+                    a.set_memory_fraction(f).unwrap();
+                }
+                let kept = half_freed(&a);
+                (a, kept)
+            };
+            let (fits, _kept_fits) = build();
+            let (over, _kept_over) = build();
+            let largest = fits.largest_obtainable();
+            assert_eq!(largest, over.largest_obtainable(), "{conf} {fraction:?}");
+            let case = format!("{conf:?} fraction {fraction:?}: largest_obtainable {largest}");
+            assert!(largest >= 8 * MIB, "{case}: at least a cached block");
+            fits.allocate(largest - 2 * MIB, 0)
+                .unwrap_or_else(|e| panic!("{case}: 2 MiB under it failed: {e}"));
+            let e = over.allocate(largest + 4 * MIB, 0).unwrap_err();
+            assert!(
+                matches!(e, AllocError::OutOfMemory(_)),
+                "{case}: 4 MiB over it: {e}"
+            );
+        }
+    }
+}

@@ -631,6 +631,23 @@ impl Registry {
         FreeOutcome::Foreign
     }
 
+    /// The largest allocation `device` can serve now without running out of memory
+    /// (`Allocator::largest_obtainable`): PyTorch's `cacheInfo`, which cuDNN's benchmark mode
+    /// sizes its workspaces by. Makes the device's allocator if it has none yet; 0 (reported
+    /// once) if that fails.
+    pub fn cache_info(&self, device: i32) -> u64 {
+        match device_index(device).and_then(|d| self.device(d)) {
+            Ok(slot) => slot.alloc.largest_obtainable(),
+            Err(e) => {
+                let c = &self.counters;
+                c.count(WARN_OTHER, &c.other_errors, || {
+                    format!("cache_info on device {device} failed: {}", e.message())
+                });
+                0
+            }
+        }
+    }
+
     /// A free that named `device` for a live block of another device (PyTorch names the right
     /// one; a hand-written caller may not): freed where it lives, reported once, rather than
     /// leaked. `None` if no other device has it live.
@@ -878,6 +895,23 @@ mod tests {
         assert_eq!(counts[1], ("double_frees", 1));
         assert!(!r.record_stream(0xdead_0000, 3));
         assert_eq!(r.counters.record_stream_foreign.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn cache_info_is_what_the_device_can_still_serve() {
+        let r = sim(1, 1 << 30, false);
+        let empty = r.cache_info(0);
+        assert_eq!(empty, 1 << 30, "a fresh device: all of it");
+        let a = r.alloc(300 * MIB, 0, 0).unwrap();
+        let b = r.alloc(100 * MIB, 0, 0).unwrap();
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        // 300 MiB cached (idle pages) and 624 MiB never taken: all but the live 100 MiB.
+        assert_eq!(r.cache_info(0), (1 << 30) - 100 * MIB);
+        r.set_memory_fraction(0.5, 0).unwrap();
+        assert_eq!(r.cache_info(0), 512 * MIB - 100 * MIB, "within the cap");
+        assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.cache_info(-1), 0, "a bad device: nothing");
+        assert_eq!(r.counters.other_errors.load(Ordering::Relaxed), 1);
     }
 
     #[test]

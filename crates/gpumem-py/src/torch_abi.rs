@@ -6,6 +6,7 @@
 //! | [`gpumem_torch_alloc`] | alloc (constructor) | `void* (size_t size, int device, cudaStream_t stream)` |
 //! | [`gpumem_torch_free`] | free (constructor) | `void (void* ptr, size_t size, int device, cudaStream_t stream)` |
 //! | [`gpumem_torch_free_any`] | the native allocator's `raw_delete` (not a pluggable hook) | `void (void* ptr)` |
+//! | [`gpumem_torch_cache_info`] | the native allocator's `cacheInfo` (not a pluggable hook) | `size_t (int device)` |
 //! | [`gpumem_torch_record_stream`] | `set_record_stream_fn` | `void (void* ptr, cudaStream_t stream)` |
 //! | [`gpumem_torch_empty_cache`] | `set_reset_fn` (`torch.cuda.empty_cache`) | `void ()` |
 //! | [`gpumem_torch_set_memory_fraction`] | `set_memory_fraction_fn` | `void (double fraction, int device)` |
@@ -122,6 +123,22 @@ pub extern "C" fn gpumem_torch_free_any(ptr: *mut c_void) {
         warn(format_args!(
             "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
         ));
+    }
+}
+
+/// The largest allocation `device` can serve now without running out of memory: the native
+/// allocator's `cacheInfo`, which cuDNN's benchmark mode sizes its workspaces by (PyTorch's
+/// pluggable allocator has no such hook and raises there). 0 on failure, reported once.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_cache_info(device: c_int) -> usize {
+    match catch_unwind(|| global().cache_info(device)) {
+        Ok(bytes) => usize::try_from(bytes).unwrap_or(usize::MAX),
+        Err(_) => {
+            warn(format_args!(
+                "gpumem: internal error (a panic) in cache_info; please report it"
+            ));
+            0
+        }
     }
 }
 

@@ -15,7 +15,8 @@
 // which pass through this file unchanged.
 //
 // Everything PyTorch asks of an allocator beyond allocation, frees, record_stream,
-// empty_cache and the memory fraction behaves as under the pluggable allocator: statistics,
+// empty_cache, the memory fraction and cacheInfo (which the pluggable allocator lacks, so that
+// cuDNN's benchmark mode fails under it) behaves as under the pluggable allocator: statistics,
 // snapshots and history are gpumem's own Python functions (install() points torch.cuda's at
 // them), and the rest raises a clear error.
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -26,6 +27,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -44,6 +46,7 @@ using FreeAnyFn = void (*)(void* ptr);
 using RecordStreamFn = void (*)(void* ptr, cudaStream_t stream);
 using EmptyCacheFn = void (*)();
 using FractionFn = void (*)(double fraction, int device);
+using CacheInfoFn = size_t (*)(int device);
 
 struct Hooks {
   AllocFn alloc = nullptr;
@@ -52,6 +55,7 @@ struct Hooks {
   RecordStreamFn record_stream = nullptr;
   EmptyCacheFn empty_cache = nullptr;
   FractionFn set_fraction = nullptr;
+  CacheInfoFn cache_info = nullptr;
 };
 
 // Written once by gpumem_native_install before the allocator is published to PyTorch (an
@@ -124,14 +128,22 @@ class GpumemAllocator final : public cca::CUDAAllocator {
 
   // --- what gpumem answers --------------------------------------------------------------------
 
-  void init(int /*device_count*/) override { initialized_ = true; }
-  bool initialized() override { return initialized_; }
+  void init(int /*device_count*/) override { initialized_.store(true); }
+  bool initialized() override { return initialized_.load(); }
   void emptyCache(c10::MempoolId_t /*mempool_id*/) override { hooks.empty_cache(); }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     hooks.set_fraction(fraction, device);
   }
-  void enable(bool value) override { enabled_ = value; }
-  bool isEnabled() const override { return enabled_; }
+  // Only remembered: gpumem has no switch to turn allocation off.
+  void enable(bool value) override { enabled_.store(value, std::memory_order_relaxed); }
+  bool isEnabled() const override { return enabled_.load(std::memory_order_relaxed); }
+  // The largest block obtainable now; cuDNN's benchmark mode sizes workspaces by it (PyTorch's
+  // pluggable allocator raises here, so torch.backends.cudnn.benchmark fails under it). As
+  // PyTorch's own, never less than what the caller passed in.
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    const size_t obtainable = hooks.cache_info(device);
+    if (obtainable > *largest) *largest = obtainable;
+  }
   // As the pluggable allocator: a block is its own base allocation.
   void* getBaseAllocation(void* ptr, size_t* /*size*/) override { return ptr; }
   // CUDA graph pools: allocations during capture come from gpumem's pool as any other (as
@@ -172,7 +184,6 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
     unsupported("getExpandableSegmentSizes");
   }
-  void cacheInfo(c10::DeviceIndex, size_t*) override { unsupported("cacheInfo"); }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
     unsupported("getDeviceStats (torch.cuda.memory_stats)");
   }
@@ -205,8 +216,8 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   }
 
  private:
-  bool initialized_ = false;
-  bool enabled_ = true;
+  std::atomic<bool> initialized_{false};
+  std::atomic<bool> enabled_{true};
 };
 
 void report(char* err, int err_len, const std::string& msg) {
@@ -220,8 +231,10 @@ void report(char* err, int err_len, const std::string& msg) {
 // initialized; a hook address is missing).
 extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr_t free_any,
                                      uintptr_t record_stream, uintptr_t empty_cache,
-                                     uintptr_t set_fraction, char* err, int err_len) {
-  if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction) {
+                                     uintptr_t set_fraction, uintptr_t cache_info, char* err,
+                                     int err_len) {
+  if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
+      !cache_info) {
     report(err, err_len, "a gpumem hook address is null");
     return 1;
   }
@@ -232,6 +245,7 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     hooks.record_stream = reinterpret_cast<RecordStreamFn>(record_stream);
     hooks.empty_cache = reinterpret_cast<EmptyCacheFn>(empty_cache);
     hooks.set_fraction = reinterpret_cast<FractionFn>(set_fraction);
+    hooks.cache_info = reinterpret_cast<CacheInfoFn>(cache_info);
     // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
     // PyTorch's own allocator has not been initialized.
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
@@ -243,4 +257,16 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     report(err, err_len, "unknown exception");
   }
   return 1;
+}
+
+// c10's cacheInfo for `device`, through PyTorch's current allocator exactly as cuDNN calls it
+// (the tests check that it reaches gpumem). Returns 0, or 1 if it threw.
+extern "C" int gpumem_native_cache_info(int device, size_t* largest) {
+  try {
+    *largest = 0;
+    cca::cacheInfo(static_cast<c10::DeviceIndex>(device), largest);
+    return 0;
+  } catch (...) {
+    return 1;
+  }
 }

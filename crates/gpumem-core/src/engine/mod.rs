@@ -661,6 +661,27 @@ impl Allocator {
         self.release_all_cached()
     }
 
+    /// The largest request that can be met now without running out of memory, by the policy's
+    /// own measure ([`crate::policy::Policy::largest_obtainable`]): a free block as it is or the device's free
+    /// bytes within the cap (a new segment), or, for the stitched policy, the pool's idle
+    /// pages and the device's free bytes together. What PyTorch's `cacheInfo` reports, which
+    /// cuDNN sizes its workspaces by when `torch.backends.cudnn.benchmark` is on. An estimate,
+    /// as PyTorch's own: requests are rounded up, and a segment policy may free more by giving
+    /// back whole cached segments.
+    pub fn largest_obtainable(&self) -> u64 {
+        let fresh = {
+            let mut d = self.device.lock();
+            let (free, _) = d.mem_get_info().unwrap_or((0, 0));
+            let room = d.cap().map_or(u64::MAX, |cap| cap.saturating_sub(d.held()));
+            free.min(room)
+        };
+        self.shards
+            .iter()
+            .map(|(_, sh)| sh.state.lock().policy.largest_obtainable(fresh))
+            .max()
+            .unwrap_or(fresh)
+    }
+
     /// Statistics under PyTorch's names. Block statistics are summed over streams (peaks too:
     /// with several streams allocating, the peak shown is an upper bound); physical memory
     /// statistics are exact.

@@ -199,6 +199,13 @@ pub trait Policy: Send {
     /// Size of the largest free block.
     fn largest_free(&self) -> u64;
 
+    /// The largest request this policy could meet now with at most `fresh` more bytes from
+    /// the device (its free memory, within the cap): by default the larger of a free block as
+    /// it is and a new segment. See [`crate::Allocator::largest_obtainable`].
+    fn largest_obtainable(&self, fresh: u64) -> u64 {
+        self.largest_free().max(fresh)
+    }
+
     /// Segments and blocks, for snapshots.
     fn segments(&self) -> Vec<SegmentInfo>;
 

@@ -984,6 +984,19 @@ impl Policy for SharedStitched {
         }
     }
 
+    fn largest_obtainable(&self, fresh: u64) -> u64 {
+        // Every range draws on the same page pool.
+        match self.own.as_ref() {
+            Some(own) => own.largest_obtainable(fresh),
+            None => self
+                .core
+                .lock()
+                .range
+                .as_ref()
+                .map_or(fresh, |r| r.largest_obtainable(fresh)),
+        }
+    }
+
     fn largest_free(&self) -> u64 {
         let shared = self
             .core

@@ -1924,6 +1924,16 @@ impl Policy for Stitched {
         self.pool.trim(dev)
     }
 
+    /// Any virtual run will do (the range is far larger than the device): what limits a block
+    /// is the physical pages it can get, the idle ones of the pool and fresh ones.
+    fn largest_obtainable(&self, fresh: u64) -> u64 {
+        let c = self.pool.counters();
+        c.held
+            .saturating_sub(c.busy)
+            .saturating_mul(self.pool.page_bytes())
+            .saturating_add(fresh)
+    }
+
     fn largest_free(&self) -> u64 {
         // The virtual top block is not memory; report the largest free block below it.
         self.set

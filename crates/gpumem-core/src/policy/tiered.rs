@@ -357,6 +357,13 @@ impl Policy for Tiered {
         self.peaks.reset_peaks();
     }
 
+    fn largest_obtainable(&self, fresh: u64) -> u64 {
+        let first = self.first.largest_obtainable(fresh);
+        self.second
+            .as_ref()
+            .map_or(first, |s| first.max(s.largest_obtainable(fresh)))
+    }
+
     fn largest_free(&self) -> u64 {
         let first = self.first.largest_free();
         self.second
