@@ -70,7 +70,7 @@ for part in "${PARTS[@]}"; do
 done
 
 {
-    [[ -f $OUT/pytest.log ]] && { echo "== tests"; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3; }
+    [[ -f $OUT/pytest.log ]] && { echo "== tests"; grep -E "^(FAILED|ERROR) " "$OUT/pytest.log"; tail -1 "$OUT/pytest.log"; }
     [[ -f $OUT/calls.log ]] && { echo "== calls (ns per call, cold)"; tail -20 "$OUT/calls.log"; }
     if [[ -f $OUT/steps/lockstep.jsonl ]]; then
         echo "== steps (pooled)"
