@@ -66,6 +66,7 @@ __all__ = [
     "leak_report",
     "empty_cache",
     "set_memory_fraction",
+    "memory_fraction",
     "error_counts",
     "driver_calls",
     "time_hooks",
@@ -151,8 +152,8 @@ def install(
         conf: configuration such as ``"policy:stitched,fraction:0.9"``; ``None`` reads the
             ``GPUMEM_CONF`` environment variable (and uses the defaults when it is unset).
         patch_torch: also point ``torch.cuda.memory_stats``, ``memory_stats_as_nested_dict``,
-            ``reset_peak_memory_stats``, ``memory_summary``, ``memory_snapshot`` and
-            ``torch.cuda.memory._snapshot``/``_dump_snapshot``/``_record_memory_history`` at
+            ``reset_peak_memory_stats``, ``memory_summary``, ``memory_snapshot``,
+            ``get_per_process_memory_fraction`` and ``torch.cuda.memory._snapshot``/``_dump_snapshot``/``_record_memory_history`` at
             gpumem's versions (which the helpers ``memory_allocated``,
             ``max_memory_reserved``... use), since PyTorch's raise under a pluggable
             allocator.
@@ -574,6 +575,13 @@ def set_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
     _native.torch_set_memory_fraction(float(fraction), _device_index(device))
 
 
+def memory_fraction(device: DeviceLike = None) -> float:
+    """The cap on ``device`` as a fraction of it (1.0 without one): what
+    :func:`set_memory_fraction` or ``fraction:`` in the configuration set. Same as
+    ``torch.cuda.get_per_process_memory_fraction`` once gpumem is installed."""
+    return float(_native.torch_memory_fraction(_device_index(device)))
+
+
 def error_counts() -> Dict[str, int]:
     """Misuse the allocator reported on stderr instead of raising (it runs inside PyTorch's
     deleters, where an exception would end the process): ``foreign_frees`` (frees of memory
@@ -675,6 +683,7 @@ def _patch_torch(torch: Any) -> None:
         "_snapshot": _snapshot,
         "_dump_snapshot": _dump_snapshot,
         "_record_memory_history": _record_memory_history,
+        "get_per_process_memory_fraction": memory_fraction,
     }
     for module in (torch.cuda.memory, torch.cuda):
         for name, fn in replacements.items():

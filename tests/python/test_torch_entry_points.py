@@ -487,3 +487,16 @@ def test_free_by_pointer_alone_finds_the_device_and_stream():
     free_any(small)  # now a double free: counted, not fatal
     after = gpumem.torch.error_counts()
     assert after["double_frees"] == errors_before["double_frees"] + 1
+
+
+def test_memory_fraction_reads_back_the_cap():
+    dev = 5  # capped at 0.25 by the out-of-memory test above
+    before = gpumem.torch.memory_fraction(dev)
+    gpumem.torch.set_memory_fraction(0.4, f"cuda:{dev}")
+    assert gpumem.torch.memory_fraction(dev) == 0.4
+    gpumem.torch.set_memory_fraction(1.0, dev)
+    assert gpumem.torch.memory_fraction(dev) == 1.0
+    gpumem.torch.set_memory_fraction(before, dev)
+    assert gpumem.torch.memory_fraction(dev) == before
+    with pytest.raises(ValueError, match="CUDA device"):
+        gpumem.torch.memory_fraction("cpu")

@@ -285,6 +285,7 @@ def test_out_of_memory_is_torch_out_of_memory_error_and_the_process_survives():
         PRELUDE
         + """
 torch.cuda.set_per_process_memory_fraction(0.05)
+read_back = torch.cuda.get_per_process_memory_fraction()
 total = torch.cuda.get_device_properties(0).total_memory
 keep = torch.empty(2**30, dtype=torch.uint8, device="cuda")
 caught = {}
@@ -301,6 +302,7 @@ after.fill_(7)
 torch.cuda.synchronize()
 s = gpumem.torch.memory_stats()
 print(json.dumps({"caught": caught, "ooms": s["num_ooms"], "ok": int(after[123].item()),
+                  "read_back": read_back,
                   "held": s["reserved_bytes.all.current"], "cap": int(total * 0.05)}))
 """
     )
@@ -311,6 +313,7 @@ print(json.dumps({"caught": caught, "ooms": s["num_ooms"], "ok": int(after[123].
         assert "gpumem" in msg
     assert r["ooms"] == 2
     assert r["ok"] == 7
+    assert abs(r["read_back"] - 0.05) < 1e-9, "get_per_process_memory_fraction reads gpumem's cap"
     assert r["held"] <= r["cap"]
 
 

@@ -631,6 +631,23 @@ impl Registry {
         FreeOutcome::Foreign
     }
 
+    /// `device`'s cap as a fraction of it (1 without one), as
+    /// `torch.cuda.get_per_process_memory_fraction` reads it. Once configured, makes the
+    /// device's allocator if it has none yet (so that `fraction:` or `cap:` of the
+    /// configuration counts); before, it answers from the fraction set for the device, if any,
+    /// without fixing the configuration.
+    pub fn memory_fraction(&self, device: i32) -> Result<f64, TorchError> {
+        let d = device_index(device)?;
+        if self.get(d).is_none() {
+            let setup = self.setup.lock();
+            if setup.config.is_none() {
+                let pending = setup.fractions.iter().rev().find(|(x, _)| *x == d);
+                return Ok(pending.map_or(1.0, |&(_, f)| f));
+            }
+        }
+        Ok(self.device(d)?.alloc.memory_fraction())
+    }
+
     /// The largest allocation `device` can serve now without running out of memory
     /// (`Allocator::largest_obtainable`): PyTorch's `cacheInfo`, which cuDNN's benchmark mode
     /// sizes its workspaces by. Makes the device's allocator if it has none yet; 0 (reported
@@ -895,6 +912,25 @@ mod tests {
         assert_eq!(counts[1], ("double_frees", 1));
         assert!(!r.record_stream(0xdead_0000, 3));
         assert_eq!(r.counters.record_stream_foreign.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn memory_fraction_reads_back_what_was_set() {
+        let r = sim(3, 1 << 30, false);
+        r.set_memory_fraction(0.25, 1).unwrap(); // before any allocator or configuration
+        assert_eq!(r.memory_fraction(1), Ok(0.25));
+        assert_eq!(r.memory_fraction(0), Ok(1.0), "no cap");
+        assert!(r.devices().is_empty(), "reading made no allocator");
+        r.configure(Some("fraction:0.75")).unwrap();
+        assert_eq!(r.memory_fraction(2), Ok(0.75), "the configuration's cap");
+        assert_eq!(
+            r.memory_fraction(1),
+            Ok(0.25),
+            "the fraction set for the device"
+        );
+        r.set_memory_fraction(0.5, 0).unwrap();
+        assert_eq!(r.memory_fraction(0), Ok(0.5));
+        assert!(r.memory_fraction(-1).is_err());
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub struct Allocator {
     /// The first stream that allocated, and whether a second one has come since (see
     /// [`Allocator::note_new_stream`]).
     first_stream: Mutex<(Option<Stream>, bool)>,
+    /// The cap as the fraction it was given as (`fraction:` or [`Allocator::set_memory_fraction`]),
+    /// which the cap in bytes only approximates; `None` for a cap given in bytes, or none.
+    cap_fraction: Mutex<Option<f64>>,
 }
 
 impl Allocator {
@@ -136,6 +139,10 @@ impl Allocator {
             // Snapshots need the segment events in the history and the mapped ranges.
             device.lock().trace_segments(true);
         }
+        let cap_fraction = match config.cap {
+            Some(crate::config::Amount::Fraction(f)) => Some(f),
+            _ => None,
+        };
         Ok(Self {
             device,
             tiers: factory.tiers(),
@@ -144,6 +151,7 @@ impl Allocator {
             tracker,
             config,
             first_stream: Mutex::new((None, false)),
+            cap_fraction: Mutex::new(cap_fraction),
         })
     }
 
@@ -720,15 +728,32 @@ impl Allocator {
             )));
         }
         let total = self.device.info().total_bytes;
+        let mut given = self.cap_fraction.lock();
         self.device
             .lock()
             .set_cap(Some((total as f64 * fraction) as u64));
+        *given = Some(fraction);
         Ok(())
     }
 
     /// Caps the memory held at `bytes` (`None`: no cap).
     pub fn set_cap(&self, bytes: Option<u64>) {
+        let mut given = self.cap_fraction.lock();
         self.device.lock().set_cap(bytes);
+        *given = None;
+    }
+
+    /// The cap as a fraction of the device (1 without one), as it was given:
+    /// `torch.cuda.get_per_process_memory_fraction`.
+    pub fn memory_fraction(&self) -> f64 {
+        if let Some(f) = *self.cap_fraction.lock() {
+            return f;
+        }
+        let total = self.device.info().total_bytes;
+        match self.device.lock().cap() {
+            Some(cap) if total > 0 => (cap as f64 / total as f64).min(1.0),
+            _ => 1.0,
+        }
     }
 
     /// Driver calls made so far.

@@ -203,6 +203,13 @@ fn torch_set_memory_fraction(fraction: f64, device_index: i64) -> PyResult<()> {
     global().set_memory_fraction(fraction, d).map_err(torch_err)
 }
 
+/// `device`'s cap as a fraction of it (1 without one).
+#[pyfunction]
+fn torch_memory_fraction(device_index: i64) -> PyResult<f64> {
+    let d = device(device_index)? as i32;
+    global().memory_fraction(d).map_err(torch_err)
+}
+
 /// Misuse reported by the free and record-stream hooks instead of raised.
 #[pyfunction]
 fn torch_error_counts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -357,6 +364,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(leak_check_at_exit_native, m)?)?;
     m.add_function(wrap_pyfunction!(torch_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(torch_set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(torch_error_counts, m)?)?;
     m.add_function(wrap_pyfunction!(torch_driver_calls, m)?)?;
     m.add_function(wrap_pyfunction!(torch_policy_notes, m)?)?;
