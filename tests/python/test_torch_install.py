@@ -40,6 +40,8 @@ print(json.dumps({
     "thrown": [kind, cpp_type, what[:200]],
     "served": ok[0],
     "keys": sorted(torch.cuda.memory_stats(0)),
+    "fraction": [torch.cuda.get_per_process_memory_fraction(0), gpumem.torch.set_memory_fraction(0.3, 0),
+                 torch.cuda.get_per_process_memory_fraction("cuda:0")],
 }))
 """
     )
@@ -53,6 +55,8 @@ print(json.dumps({
     assert r["served"] == "returned"
     # torch.cuda.memory_stats (patched) has exactly the keys of PyTorch's own.
     assert set(r["keys"]) == TORCH_STAT_KEYS
+    # torch.cuda.get_per_process_memory_fraction (patched) reads gpumem's cap as it was given.
+    assert r["fraction"] == [1.0, None, 0.3]
 
 
 def _native_build_reason():
