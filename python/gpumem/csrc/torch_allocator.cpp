@@ -83,9 +83,15 @@ void free_anywhere(void* ptr) {
 }
 
 [[noreturn]] void unsupported(const char* what) {
-  TORCH_CHECK(false, "gpumem's allocator does not support ", what,
-              "; gpumem.torch provides memory_stats(), memory_summary(), snapshot() and "
-              "record_memory_history(), and install() points torch.cuda's functions at them");
+  TORCH_CHECK(false, "gpumem's allocator does not support ", what);
+}
+
+// For what gpumem answers through its own Python functions instead.
+[[noreturn]] void use_python(const char* what) {
+  TORCH_CHECK(false, "gpumem's allocator does not answer ", what,
+              " in C++; gpumem.torch provides memory_stats(), memory_fraction(), "
+              "memory_summary(), snapshot() and record_memory_history(), and install() points "
+              "torch.cuda's functions at them");
 }
 
 c10::DeviceIndex current_device() {
@@ -178,27 +184,28 @@ class GpumemAllocator final : public cca::CUDAAllocator {
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
 
-  // --- what PyTorch's pluggable allocator does not support either ---------------------------
+  // --- what PyTorch's pluggable allocator does not support either (statistics, snapshots and
+  // history through gpumem's Python functions) ------------------------------------------------
 
-  double getMemoryFraction(c10::DeviceIndex) override { unsupported("getMemoryFraction"); }
+  double getMemoryFraction(c10::DeviceIndex) override { use_python("getMemoryFraction"); }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
     unsupported("getExpandableSegmentSizes");
   }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
-    unsupported("getDeviceStats (torch.cuda.memory_stats)");
+    use_python("getDeviceStats");
   }
   void resetAccumulatedStats(c10::DeviceIndex) override {
     unsupported("resetAccumulatedStats");
   }
-  void resetPeakStats(c10::DeviceIndex) override { unsupported("resetPeakStats"); }
+  void resetPeakStats(c10::DeviceIndex) override { use_python("resetPeakStats"); }
   cca::SnapshotInfo snapshot(c10::MempoolId_t, bool) override {
-    unsupported("snapshot (torch.cuda.memory._snapshot)");
+    use_python("snapshot");
   }
   cca::ShareableHandle shareIpcHandle(void*) override { unsupported("shareIpcHandle"); }
   std::shared_ptr<void> getIpcDevPtr(std::string) override { unsupported("getIpcDevPtr"); }
   void recordHistory(bool, cca::CreateContextFn, size_t, cca::RecordContext, bool,
                      const std::vector<std::string>&) override {
-    unsupported("recordHistory (torch.cuda.memory._record_memory_history)");
+    use_python("recordHistory");
   }
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver) override {
     unsupported("attachOutOfMemoryObserver");
