@@ -79,8 +79,9 @@ pub struct Allocator {
     /// The first stream that allocated, and whether a second one has come since (see
     /// [`Allocator::note_new_stream`]).
     first_stream: Mutex<(Option<Stream>, bool)>,
-    /// The cap as the fraction it was given as (`fraction:` or [`Allocator::set_memory_fraction`]),
-    /// which the cap in bytes only approximates; `None` for a cap given in bytes, or none.
+    /// The cap as the fraction it was given as (`fraction:` or
+    /// [`Allocator::set_memory_fraction`]), which the cap in bytes only approximates; `None`
+    /// for a cap given in bytes, or none.
     cap_fraction: Mutex<Option<f64>>,
 }
 
@@ -669,10 +670,10 @@ impl Allocator {
         self.release_all_cached()
     }
 
-    /// The largest request that can be met now without running out of memory, by the policy's
-    /// own measure ([`crate::policy::Policy::largest_obtainable`]): a free block as it is or the device's free
-    /// bytes within the cap (a new segment), or, for the stitched policy, the pool's idle
-    /// pages and the device's free bytes together. What PyTorch's `cacheInfo` reports, which
+    /// The largest request that can be met now without running out of memory, by the
+    /// policy's own measure ([`crate::policy::Policy::largest_obtainable`]): a free block as
+    /// it is or the device's free bytes within the cap (a new segment), or, for the stitched
+    /// policy, the pool's idle pages and the device's free bytes together. What PyTorch's `cacheInfo` reports, which
     /// cuDNN sizes its workspaces by when `torch.backends.cudnn.benchmark` is on. An estimate,
     /// as PyTorch's own: requests are rounded up, and a segment policy may free more by giving
     /// back whole cached segments.
