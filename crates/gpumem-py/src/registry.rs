@@ -964,6 +964,9 @@ mod tests {
             (3 * MIB) as i64,
             "device 0's block untouched"
         );
+        // Device 0 has a null-stream pool, which is asked first and passed over in the search.
+        let on0_side = r.alloc(5 * MIB, 0, 0x55).unwrap();
+        assert_eq!(r.free_any(on0_side), FreeOutcome::Freed);
         assert_eq!(r.free_any(on0), FreeOutcome::Freed);
         assert_eq!(r.memory_stats(0).allocated_bytes.all.current, 0);
         assert_eq!(r.free_any(0), FreeOutcome::Null);

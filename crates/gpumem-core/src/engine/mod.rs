@@ -468,24 +468,31 @@ impl Allocator {
 
     /// Frees the block at `ptr` (searching every stream's pool for it).
     pub fn free(&self, ptr: DevPtr) -> Result<(), AllocError> {
-        for (_, sh) in self.shards.iter() {
-            if self.try_free_in(sh, ptr, None)? {
-                return Ok(());
-            }
-        }
-        Err(self.not_live(ptr))
+        self.free_searching(ptr, None)
     }
 
     /// Frees the block at `ptr`, which was allocated on `stream` (PyTorch's free hook passes
     /// it); falls back to a search if it was not. The common case takes the stream's lock
     /// once: the free itself is the lookup.
     pub fn free_on(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
-        if let Some((_, sh)) = self.shards.get(stream) {
+        let tried = self.shards.get(stream);
+        if let Some((_, sh)) = tried {
             if self.try_free_in(sh, ptr, None)? {
                 return Ok(());
             }
         }
-        self.free(ptr)
+        self.free_searching(ptr, tried.map(|(i, _)| i))
+    }
+
+    /// Frees the block at `ptr` in whichever stream's pool holds it, skipping the pool at
+    /// index `tried` (already asked).
+    fn free_searching(&self, ptr: DevPtr, tried: Option<usize>) -> Result<(), AllocError> {
+        for (i, sh) in self.shards.iter() {
+            if Some(i) != tried && self.try_free_in(sh, ptr, None)? {
+                return Ok(());
+            }
+        }
+        Err(self.not_live(ptr))
     }
 
     /// Frees an allocation returned by [`Allocator::allocate`].
