@@ -319,3 +319,12 @@ def test_gpumem_native_runs_ask_for_the_native_path_and_others_do_not(monkeypatc
     # Given by the caller, the choice reaches "gpumem" runs unchanged.
     monkeypatch.setenv("GPUMEM_TORCH_NATIVE", "1")
     assert bw.allocator_env("gpumem")["GPUMEM_TORCH_NATIVE"] == "1"
+
+
+def test_lockstep_takes_gpumem_native_as_a_gpumem_side(tmp_path):
+    # native.sh's pairs: the native-path name is known to lockstep and runs as a gpumem side.
+    out, rows = run_lockstep(tmp_path, {"LOCKSTEP_SELFTEST_GPUMEM_FACTOR": "1.1"},
+                             pairs="native:gpumem-native", steps=6)
+    assert out.returncode == 0, out.stderr
+    assert [(r["a"], r["b"]) for r in rows] == [("native", "gpumem-native")]
+    assert rows[0]["summary"]["ratio_of_medians"] == pytest.approx(1.1, abs=0.04)
