@@ -564,28 +564,41 @@ impl Registry {
             });
             return FreeOutcome::Foreign;
         };
-        match slot.alloc.free_on(ptr, stream) {
-            Ok(()) => FreeOutcome::Freed,
-            Err(AllocError::UnknownPointer { .. }) => {
-                if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
-                    return outcome;
-                }
-                c.count(WARN_FOREIGN, &c.foreign_frees, || {
-                    format!("free of {ptr:#x}, which gpumem did not allocate on device {device}")
-                });
-                FreeOutcome::Foreign
-            }
+        if let Some(outcome) = self.settle_free(slot.alloc.free_on(ptr, stream), ptr, device) {
+            return outcome;
+        }
+        if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
+            return outcome;
+        }
+        c.count(WARN_FOREIGN, &c.foreign_frees, || {
+            format!("free of {ptr:#x}, which gpumem did not allocate on device {device}")
+        });
+        FreeOutcome::Foreign
+    }
+
+    /// What a device's free of `ptr` came to, misuse counted and reported once; `None` if the
+    /// device has no live block there (the caller looks elsewhere or reports a foreign free).
+    fn settle_free(
+        &self,
+        r: Result<(), AllocError>,
+        ptr: DevPtr,
+        device: impl std::fmt::Display,
+    ) -> Option<FreeOutcome> {
+        let c = &self.counters;
+        match r {
+            Ok(()) => Some(FreeOutcome::Freed),
+            Err(AllocError::UnknownPointer { .. }) => None,
             Err(AllocError::DoubleFree { .. }) => {
                 c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
                     format!("double free of {ptr:#x} on device {device}")
                 });
-                FreeOutcome::DoubleFree
+                Some(FreeOutcome::DoubleFree)
             }
             Err(e) => {
                 c.count(WARN_FREE_ERROR, &c.free_errors, || {
                     format!("free of {ptr:#x} on device {device} failed: {e}")
                 });
-                FreeOutcome::Failed
+                Some(FreeOutcome::Failed)
             }
         }
     }
@@ -605,26 +618,13 @@ impl Registry {
         if ptr == 0 {
             return FreeOutcome::Null;
         }
-        let c = &self.counters;
         for (d, slot) in self.slots.iter().enumerate() {
             let Some(slot) = slot.get() else { continue };
-            match slot.alloc.free_on(ptr, 0) {
-                Ok(()) => return FreeOutcome::Freed,
-                Err(AllocError::UnknownPointer { .. }) => continue,
-                Err(AllocError::DoubleFree { .. }) => {
-                    c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
-                        format!("double free of {ptr:#x} (allocated on device {d})")
-                    });
-                    return FreeOutcome::DoubleFree;
-                }
-                Err(e) => {
-                    c.count(WARN_FREE_ERROR, &c.free_errors, || {
-                        format!("free of {ptr:#x} on device {d} failed: {e}")
-                    });
-                    return FreeOutcome::Failed;
-                }
+            if let Some(outcome) = self.settle_free(slot.alloc.free_on(ptr, 0), ptr, d) {
+                return outcome;
             }
         }
+        let c = &self.counters;
         c.count(WARN_FOREIGN, &c.foreign_frees, || {
             format!("free of {ptr:#x}, which gpumem did not allocate on any device")
         });

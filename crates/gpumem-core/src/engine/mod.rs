@@ -680,10 +680,10 @@ impl Allocator {
     /// The largest request that can be met now without running out of memory, by the
     /// policy's own measure ([`crate::policy::Policy::largest_obtainable`]): a free block as
     /// it is or the device's free bytes within the cap (a new segment), or, for the stitched
-    /// policy, the pool's idle pages and the device's free bytes together. What PyTorch's `cacheInfo` reports, which
-    /// cuDNN sizes its workspaces by when `torch.backends.cudnn.benchmark` is on. An estimate,
-    /// as PyTorch's own: requests are rounded up, and a segment policy may free more by giving
-    /// back whole cached segments.
+    /// policy, the pool's idle pages and the device's free bytes together. What PyTorch's
+    /// `cacheInfo` reports, which cuDNN sizes its workspaces by when
+    /// `torch.backends.cudnn.benchmark` is on. An estimate, as PyTorch's own: requests are
+    /// rounded up, and a segment policy may free more by giving back whole cached segments.
     pub fn largest_obtainable(&self) -> u64 {
         let fresh = {
             let mut d = self.device.lock();
