@@ -57,6 +57,7 @@ __all__ = [
     "memory_reserved",
     "max_memory_reserved",
     "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
     "memory_summary",
     "memory_stats_json",
     "snapshot",
@@ -95,6 +96,11 @@ _NATIVE_HOOKS = (
     "gpumem_torch_empty_cache",
     "gpumem_torch_set_memory_fraction",
     "gpumem_torch_cache_info",
+    "gpumem_torch_device_stats",
+    "gpumem_torch_reset_peak_stats",
+    "gpumem_torch_reset_accumulated_stats",
+    "gpumem_torch_alloc_reporting",
+    "gpumem_torch_free_reporting",
 )
 _NATIVE_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_allocator.cpp"
@@ -152,7 +158,8 @@ def install(
         conf: configuration such as ``"policy:stitched,fraction:0.9"``; ``None`` reads the
             ``GPUMEM_CONF`` environment variable (and uses the defaults when it is unset).
         patch_torch: also point ``torch.cuda.memory_stats``, ``memory_stats_as_nested_dict``,
-            ``reset_peak_memory_stats``, ``memory_summary``, ``memory_snapshot``,
+            ``reset_peak_memory_stats``, ``reset_accumulated_memory_stats``,
+            ``memory_summary``, ``memory_snapshot``,
             ``get_per_process_memory_fraction`` and ``torch.cuda.memory._snapshot``/``_dump_snapshot``/``_record_memory_history`` at
             gpumem's versions (which the helpers ``memory_allocated``,
             ``max_memory_reserved``... use), since PyTorch's raise under a pluggable
@@ -163,8 +170,11 @@ def install(
             instead of through ``torch.cuda.memory.CUDAPluggableAllocator``. The pluggable
             allocator keeps a map from every pointer to its size, device and stream under a
             mutex, which costs about as much per call as PyTorch's own allocator; the native
-            one calls gpumem and nothing else. ``None`` reads ``GPUMEM_TORCH_NATIVE``
-            (``1`` or ``0``; unset: the pluggable allocator).
+            one calls gpumem and nothing else. It also answers what the pluggable one cannot:
+            ``cacheInfo`` (cuDNN's benchmark mode), c10's statistics (``torch._C`` reads
+            gpumem's), and the memory profiler (``torch.profiler`` with
+            ``profile_memory=True`` sees every allocation and free). ``None`` reads
+            ``GPUMEM_TORCH_NATIVE`` (``1`` or ``0``; unset: the pluggable allocator).
 
     Raises:
         GpumemError: PyTorch is missing or has no CUDA, CUDA was already initialized by
@@ -452,6 +462,12 @@ def reset_peak_memory_stats(device: DeviceLike = None) -> None:
     _native.torch_reset_peak_memory_stats(_device_index(device))
 
 
+def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
+    """Zeroes the ``allocated``/``freed`` totals and the counters (``num_ooms``...) of
+    ``device``'s statistics; current values and peaks stay."""
+    _native.torch_reset_accumulated_memory_stats(_device_index(device))
+
+
 def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     """A text table of ``device``'s statistics in the layout of ``torch.cuda.memory_summary()``:
     the same rows (allocated, active, requested, GPU reserved and non-releasable memory,
@@ -678,6 +694,7 @@ def _patch_torch(torch: Any) -> None:
         "memory_stats": memory_stats,
         "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
         "reset_peak_memory_stats": reset_peak_memory_stats,
+        "reset_accumulated_memory_stats": reset_accumulated_memory_stats,
         "memory_summary": memory_summary,
         "memory_snapshot": _memory_snapshot,
         "_snapshot": _snapshot,

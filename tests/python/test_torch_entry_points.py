@@ -60,6 +60,18 @@ def test_alloc_and_free_are_counted_exactly():
     gpumem.torch.reset_peak_memory_stats(dev)
     assert gpumem.torch.max_memory_allocated(dev) == 0
     assert _native.torch_owner_device(q) is None
+    s = gpumem.torch.memory_stats(dev)
+    assert s["allocation.all.allocated"] == 2 and s["allocation.all.freed"] == 2
+    assert s["allocated_bytes.all.freed"] == 1024 + 6 * MIB
+    gpumem.torch.reset_accumulated_memory_stats(dev)
+    s = gpumem.torch.memory_stats(dev)
+    assert s["allocation.all.allocated"] == 0 and s["allocated_bytes.all.freed"] == 0
+    assert s["num_device_alloc"] == 0
+    assert s["reserved_bytes.all.current"] > 0, "what is held stays"
+    r = _native.torch_alloc(3000, dev, 0)
+    s = gpumem.torch.memory_stats(dev)
+    assert s["allocation.all.allocated"] == 1 and s["allocated_bytes.all.allocated"] == 3072
+    assert _native.torch_free(r, dev, 0) == "freed"
 
 
 def test_zero_bytes_get_the_null_pointer_like_pytorch():

@@ -115,6 +115,52 @@ print(json.dumps(out))
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
+def test_memory_profiler_and_c10_statistics_see_gpumem(install_path):
+    # torch.profiler with profile_memory=True is told of every CUDA allocation and free, and
+    # torch._C's own statistics (c10's getDeviceStats, which the patched Python functions
+    # bypass) read gpumem's figures. The native allocator does both; under PyTorch's pluggable
+    # allocator the profiler sees no CUDA memory and c10's statistics raise: reported as a
+    # skip with what was seen.
+    r = run_python(
+        PRELUDE
+        + """
+from torch.profiler import profile, ProfilerActivity
+x = torch.randn(1024, 1024, device="cuda")
+float((x @ x).relu().sum().item())  # cuBLAS's workspace, kept for the process, made before
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
+    y = x @ x
+    z = torch.relu(y)
+    del y
+    total = float(z.sum().item())
+    del z
+    torch.cuda.synchronize()
+cuda_events = [e.device_memory_usage for e in prof.events()
+               if e.name == "[memory]" and e.device_memory_usage != 0]
+try:
+    c10 = torch._C._cuda_memoryStats(0)
+    c10_allocated = c10["allocated_bytes"]["all"]["current"]
+except RuntimeError as e:
+    c10_allocated = str(e)[:200]
+print(json.dumps({"events": cuda_events, "c10_allocated": c10_allocated,
+                  "gpumem_allocated": gpumem.torch.memory_allocated(0),
+                  "errors": gpumem.torch.error_counts()}))
+"""
+    )
+    if install_path == "pluggable" and not r["events"]:
+        pytest.skip(
+            "PyTorch's pluggable allocator tells the memory profiler nothing "
+            f"(c10's statistics: {r['c10_allocated']!r})"
+        )
+    events = r["events"]
+    four_mib = 1024 * 1024 * 4
+    # y and z (4 MiB each) allocated and freed, and the sum's 4-byte result (512 B as a block).
+    assert events.count(four_mib) >= 2 and events.count(-four_mib) >= 2, events
+    assert sum(events) == 0, f"every allocation in the window was freed in it: {events}"
+    assert r["c10_allocated"] == r["gpumem_allocated"] == four_mib
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
 def test_raw_allocations_on_a_side_stream_are_freed_by_pointer_alone():
     # torch.cuda.caching_allocator_alloc/delete: PyTorch's raw path (cuBLAS workspaces, NCCL,
     # thrust). Under the native allocator the delete carries only the pointer, so gpumem must

@@ -177,3 +177,90 @@ print(json.dumps({"error": err, "installed": gpumem.torch.is_installed(),
     assert r["error"] is not None
     assert not r["installed"]
     assert r["backend"] == "native", "PyTorch's own allocator is still in place"
+
+
+@pytest.mark.skipif(_native_build_reason() is not None, reason=str(_native_build_reason()))
+def test_native_allocator_answers_c10_statistics_and_the_memory_profiler(tmp_path):
+    # What the pluggable allocator cannot do, through PyTorch's own C++ entry points: c10's
+    # statistics (torch._C's functions, not the patched Python ones) read gpumem's figures
+    # and reset them, and torch.profiler with profile_memory=True is told of every allocation
+    # and free with its bytes. Tensors' allocations are made by the allocator's allocate()
+    # and freed by their DataPtr's deleter, as PyTorch does (a test entry supplies the device,
+    # which no GPU can here).
+    r = run_python(
+        """
+import ctypes, json, torch, gpumem
+from gpumem import _native
+from torch.profiler import profile, ProfilerActivity
+_native.torch_use_simulated_devices(1, 1 << 30)
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+gpumem.torch.install(conf="policy:stitched", native=True)
+nat = gpumem.torch._installed["allocator"]
+f = nat.gpumem_native_test_allocate
+f.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+              ctypes.c_char_p, ctypes.c_int]
+err = ctypes.create_string_buffer(512)
+def tensor(n, dropped):
+    out = ctypes.c_void_p()
+    assert f(n, 0, dropped, ctypes.byref(out), err, len(err)) == 0, err.value
+    return out.value
+
+def flat(nested, prefix=""):
+    out = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            out.update(flat(v, prefix + k + "."))
+        else:
+            out[prefix + k] = v
+    return out
+
+kept = tensor(3 << 20, 0)
+tensor(1000, 1)
+c10 = flat(torch._C._cuda_memoryStats(0))
+same = c10 == dict(gpumem.torch.memory_stats(0))
+torch._C._cuda_resetPeakMemoryStats(0)
+peak_reset = flat(torch._C._cuda_memoryStats(0))
+torch._C._cuda_resetAccumulatedMemoryStats(0)
+accumulated_reset = flat(torch._C._cuda_memoryStats(0))
+try:
+    torch._C._cuda_memoryStats(70)
+    bad_device = None
+except RuntimeError as e:
+    bad_device = str(e)
+
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    p = tensor(5 << 20, 0)
+    tensor(2048, 1)
+    torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+events = [e.device_memory_usage for e in prof.events() if e.name == "[memory]"]
+# Outside the profiler nothing is reported (and nothing is recorded).
+tensor(4096, 1)
+print(json.dumps({
+    "same": same, "c10": c10, "peak_reset": peak_reset,
+    "accumulated_reset": accumulated_reset, "bad_device": bad_device, "events": events,
+    "errors": gpumem.torch.error_counts(),
+}))
+""",
+        env={"GPUMEM_NATIVE_BUILD_DIR": str(tmp_path / "build")},
+    )
+    c10 = r["c10"]
+    assert r["same"], "torch._C's statistics are gpumem's, key for key"
+    assert set(c10) == TORCH_STAT_KEYS
+    assert c10["allocation.all.allocated"] == 2 and c10["allocation.all.freed"] == 1
+    assert c10["allocated_bytes.all.current"] == 3 << 20
+    assert c10["allocated_bytes.all.peak"] == (3 << 20) + 1024
+    assert c10["requested_bytes.all.freed"] == 1000
+    assert c10["max_split_size"] == -1
+    peak = r["peak_reset"]
+    assert peak["allocated_bytes.all.peak"] == 3 << 20, "the peak came down to the current"
+    assert peak["allocation.all.allocated"] == 2, "totals stay"
+    acc = r["accumulated_reset"]
+    assert acc["allocation.all.allocated"] == 0 and acc["allocation.all.freed"] == 0
+    assert acc["allocated_bytes.all.freed"] == 0 and acc["num_device_alloc"] == 0
+    assert acc["allocated_bytes.all.current"] == 3 << 20, "current values stay"
+    assert "invalid CUDA device index 70" in r["bad_device"]
+    # Each allocation and free, with its bytes as handed out (2048 is already a multiple of
+    # 512); the raw delete found its block by the pointer alone.
+    assert r["events"] == [5 << 20, 2048, -2048, -(5 << 20)]
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]

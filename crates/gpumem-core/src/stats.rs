@@ -311,6 +311,23 @@ impl MemoryStats {
         self.num_device_free = 0;
     }
 
+    /// What accumulated since `base` was taken (the statistics at the last
+    /// `torch.cuda.reset_accumulated_memory_stats`): `base`'s `allocated`/`freed` totals and
+    /// counters are subtracted; current values and peaks are left as they are.
+    pub fn since(&mut self, base: &MemoryStats) {
+        for (mine, (_, theirs)) in self.arrays_mut().into_iter().zip(base.arrays()) {
+            for (m, (_, t)) in mine.each_mut().into_iter().zip(theirs.each()) {
+                m.allocated -= t.allocated;
+                m.freed -= t.freed;
+            }
+        }
+        self.num_alloc_retries -= base.num_alloc_retries;
+        self.num_ooms -= base.num_ooms;
+        self.num_sync_all_streams -= base.num_sync_all_streams;
+        self.num_device_alloc -= base.num_device_alloc;
+        self.num_device_free -= base.num_device_free;
+    }
+
     fn arrays(&self) -> [(&'static str, &StatArray); 9] {
         [
             ("allocation", &self.allocation),

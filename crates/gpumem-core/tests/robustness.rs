@@ -501,3 +501,57 @@ fn replay_takes_a_block_whose_address_is_allocated_again_as_freed() {
         r.peak_live_bytes
     );
 }
+
+/// `reset_accumulated_stats` zeroes the totals and counters and nothing else, and what
+/// accumulates after it counts from zero; `free_on_sized` returns the block's bytes as handed
+/// out, and refuses a second free of the same block.
+#[test]
+fn accumulated_stats_reset_and_sized_frees() {
+    for conf in ["policy:caching", "policy:stitched", "policy:native"] {
+        let a = sim(conf);
+        let x = a.allocate(1000, 0).unwrap();
+        let y = a.allocate(3 * MIB + 5, 0).unwrap();
+        let z = a.allocate(7 * MIB, 0).unwrap();
+        assert_eq!(a.free_on_sized(x.ptr, 0).unwrap(), x.size, "{conf}");
+        let before = a.memory_stats();
+        assert_eq!(before.allocation.all.allocated, 3, "{conf}");
+        assert_eq!(before.allocation.all.freed, 1, "{conf}");
+        assert!(before.num_device_alloc > 0, "{conf}");
+
+        a.reset_accumulated_stats();
+        let after = a.memory_stats();
+        assert_eq!(after.allocation.all.allocated, 0, "{conf}");
+        assert_eq!(after.allocation.all.freed, 0, "{conf}");
+        assert_eq!(after.allocated_bytes.all.allocated, 0, "{conf}");
+        assert_eq!(after.reserved_bytes.all.allocated, 0, "{conf}");
+        assert_eq!(after.num_device_alloc, 0, "{conf}");
+        // Current values and peaks are untouched.
+        assert_eq!(after.allocation.all.current, 2, "{conf}");
+        assert_eq!(after.allocation.all.peak, 3, "{conf}");
+        assert_eq!(
+            after.allocated_bytes.all.current,
+            (y.size + z.size) as i64,
+            "{conf}"
+        );
+        assert_eq!(
+            after.reserved_bytes.all.current,
+            before.reserved_bytes.all.current
+        );
+
+        // A block on another stream is found by the search and its bytes returned.
+        let w = a.allocate(2 * MIB, 5).unwrap();
+        assert_eq!(a.free_on_sized(w.ptr, 0).unwrap(), w.size, "{conf}");
+        assert_eq!(a.free_on_sized(y.ptr, 0).unwrap(), y.size, "{conf}");
+        assert!(a.free_on_sized(y.ptr, 0).is_err(), "{conf}: a double free");
+        let later = a.memory_stats();
+        assert_eq!(later.allocation.all.allocated, 1, "{conf}");
+        assert_eq!(later.allocation.all.freed, 2, "{conf}");
+        assert_eq!(
+            later.allocated_bytes.all.freed,
+            (w.size + y.size) as i64,
+            "{conf}"
+        );
+        assert_eq!(later.allocation.all.current, 1, "{conf}");
+        a.free_allocation(&z).unwrap();
+    }
+}

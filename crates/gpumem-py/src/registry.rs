@@ -54,8 +54,9 @@ impl TorchError {
 /// What became of a free.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FreeOutcome {
-    /// The block was returned to its pool (or will be, after other streams' events).
-    Freed,
+    /// The block was returned to its pool (or will be, after other streams' events); its
+    /// bytes as handed out (the request rounded up).
+    Freed(u64),
     /// A null pointer (what a zero-byte allocation returns): nothing to do.
     Null,
     /// Not a pointer gpumem handed out on that device: reported and ignored.
@@ -522,6 +523,18 @@ impl Registry {
     /// null pointer, as PyTorch's own allocator returns for them.
     #[inline]
     pub fn alloc(&self, size: u64, device: i32, stream: Stream) -> Result<DevPtr, TorchError> {
+        self.alloc_sized(size, device, stream).map(|(ptr, _)| ptr)
+    }
+
+    /// [`Registry::alloc`], also returning the block's bytes as handed out (the request
+    /// rounded up; 0 for the null pointer), as PyTorch's profiler is told of an allocation.
+    #[inline]
+    pub fn alloc_sized(
+        &self,
+        size: u64,
+        device: i32,
+        stream: Stream,
+    ) -> Result<(DevPtr, u64), TorchError> {
         let t = self.clock.start();
         let r = self.alloc_untimed(size, device, stream);
         self.clock.stop(Hook::Alloc, t);
@@ -529,15 +542,20 @@ impl Registry {
     }
 
     #[inline]
-    fn alloc_untimed(&self, size: u64, device: i32, stream: Stream) -> Result<DevPtr, TorchError> {
+    fn alloc_untimed(
+        &self,
+        size: u64,
+        device: i32,
+        stream: Stream,
+    ) -> Result<(DevPtr, u64), TorchError> {
         if size == 0 {
-            return Ok(0);
+            return Ok((0, 0));
         }
         let d = device_index(device)?;
         let slot = self.device(d)?;
         slot.alloc
             .allocate(size, stream)
-            .map(|a| a.ptr)
+            .map(|a| (a.ptr, a.size))
             .map_err(|e| torch_error(d, size, e))
     }
 
@@ -564,7 +582,8 @@ impl Registry {
             });
             return FreeOutcome::Foreign;
         };
-        if let Some(outcome) = self.settle_free(slot.alloc.free_on(ptr, stream), ptr, device) {
+        if let Some(outcome) = self.settle_free(slot.alloc.free_on_sized(ptr, stream), ptr, device)
+        {
             return outcome;
         }
         if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
@@ -580,13 +599,13 @@ impl Registry {
     /// device has no live block there (the caller looks elsewhere or reports a foreign free).
     fn settle_free(
         &self,
-        r: Result<(), AllocError>,
+        r: Result<u64, AllocError>,
         ptr: DevPtr,
         device: impl std::fmt::Display,
     ) -> Option<FreeOutcome> {
         let c = &self.counters;
         match r {
-            Ok(()) => Some(FreeOutcome::Freed),
+            Ok(bytes) => Some(FreeOutcome::Freed(bytes)),
             Err(AllocError::UnknownPointer { .. }) => None,
             Err(AllocError::DoubleFree { .. }) => {
                 c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
@@ -608,27 +627,33 @@ impl Registry {
     /// Devices are tried in order, each looking first at the null stream's blocks. Never
     /// fails: misuse is counted and reported once, as in [`Registry::free`].
     pub fn free_any(&self, ptr: DevPtr) -> FreeOutcome {
+        self.free_any_located(ptr).0
+    }
+
+    /// [`Registry::free_any`], also returning the device where the block was found (`None`
+    /// for a null or foreign pointer).
+    pub fn free_any_located(&self, ptr: DevPtr) -> (FreeOutcome, Option<usize>) {
         let t = self.clock.start();
         let r = self.free_any_untimed(ptr);
         self.clock.stop(Hook::Free, t);
         r
     }
 
-    fn free_any_untimed(&self, ptr: DevPtr) -> FreeOutcome {
+    fn free_any_untimed(&self, ptr: DevPtr) -> (FreeOutcome, Option<usize>) {
         if ptr == 0 {
-            return FreeOutcome::Null;
+            return (FreeOutcome::Null, None);
         }
         for (d, slot) in self.slots.iter().enumerate() {
             let Some(slot) = slot.get() else { continue };
-            if let Some(outcome) = self.settle_free(slot.alloc.free_on(ptr, 0), ptr, d) {
-                return outcome;
+            if let Some(outcome) = self.settle_free(slot.alloc.free_on_sized(ptr, 0), ptr, d) {
+                return (outcome, Some(d));
             }
         }
         let c = &self.counters;
         c.count(WARN_FOREIGN, &c.foreign_frees, || {
             format!("free of {ptr:#x}, which gpumem did not allocate on any device")
         });
-        FreeOutcome::Foreign
+        (FreeOutcome::Foreign, None)
     }
 
     /// `device`'s cap as a fraction of it (1 without one), as
@@ -680,7 +705,7 @@ impl Registry {
                 continue;
             }
             let slot = self.get(d)?;
-            match slot.alloc.free_on(ptr, stream) {
+            match slot.alloc.free_on_sized(ptr, stream) {
                 Err(AllocError::UnknownPointer { .. }) => continue,
                 Err(AllocError::DoubleFree { .. }) => {
                     c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
@@ -695,7 +720,7 @@ impl Registry {
                         )
                     });
                     return Some(match r {
-                        Ok(()) => FreeOutcome::Freed,
+                        Ok(bytes) => FreeOutcome::Freed(bytes),
                         Err(_) => FreeOutcome::Failed,
                     });
                 }
@@ -786,6 +811,22 @@ impl Registry {
             .unwrap_or_default()
     }
 
+    /// Zeroes `device`'s accumulated totals and counters
+    /// (`torch.cuda.reset_accumulated_memory_stats`); nothing to do where gpumem never
+    /// allocated.
+    pub fn reset_accumulated_stats(&self, device: usize) {
+        if let Some(s) = self.get(device) {
+            s.alloc.reset_accumulated_stats();
+        }
+    }
+
+    /// Sets `device`'s peaks to the current values (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&self, device: usize) {
+        if let Some(s) = self.get(device) {
+            s.alloc.reset_peak_stats();
+        }
+    }
+
     /// What the policy on `device` changed on its own, one line each (none if gpumem never
     /// allocated there).
     pub fn policy_notes(&self, device: usize) -> Vec<String> {
@@ -862,8 +903,12 @@ mod tests {
         assert_eq!(s0.requested_bytes.all.current, (3 * MIB) as i64);
         assert_eq!(s1.requested_bytes.all.current, 1000);
         assert_eq!(s1.allocated_bytes.all.current, 1024, "rounded to 512 B");
-        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
-        assert_eq!(r.free(b, 1, 7), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed(3 * MIB));
+        assert_eq!(
+            r.free(b, 1, 7),
+            FreeOutcome::Freed(1024),
+            "the bytes as handed out"
+        );
         assert_eq!(r.memory_stats(0).allocated_bytes.all.current, 0);
         assert_eq!(r.memory_stats(3).allocated_bytes.all.peak, 0);
     }
@@ -874,17 +919,17 @@ mod tests {
         let counts =
             |r: &Registry| -> Vec<u64> { r.clock.snapshot().iter().map(|&(_, n, _)| n).collect() };
         let a = r.alloc(MIB, 0, 0).unwrap();
-        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed(MIB));
         assert_eq!(counts(&r), vec![0, 0, 0], "off by default");
         r.clock.set(true);
         let a = r.alloc(MIB, 0, 0).unwrap();
         let b = r.alloc(3 * MIB, 0, 0).unwrap();
         assert!(r.record_stream(a, 9));
-        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed(MIB));
         // Misuse is timed too: it is a call PyTorch made.
         assert_eq!(r.free(0xdead_0000, 0, 0), FreeOutcome::Foreign);
         r.clock.set(false);
-        assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed(3 * MIB));
         assert_eq!(counts(&r), vec![2, 2, 1]);
         let names: Vec<&str> = r
             .clock
@@ -903,7 +948,7 @@ mod tests {
     fn misuse_is_counted_not_fatal() {
         let r = sim(1, 1 << 30, false);
         let a = r.alloc(MIB, 0, 0).unwrap();
-        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed(MIB));
         assert_eq!(r.free(a, 0, 0), FreeOutcome::DoubleFree);
         assert_eq!(r.free(0xdead_0000, 0, 0), FreeOutcome::Foreign);
         assert_eq!(r.free(0xdead_0000, 5, 0), FreeOutcome::Foreign);
@@ -940,12 +985,12 @@ mod tests {
         assert_eq!(empty, 1 << 30, "a fresh device: all of it");
         let a = r.alloc(300 * MIB, 0, 0).unwrap();
         let b = r.alloc(100 * MIB, 0, 0).unwrap();
-        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed(300 * MIB));
         // 300 MiB cached (idle pages) and 624 MiB never taken: all but the live 100 MiB.
         assert_eq!(r.cache_info(0), (1 << 30) - 100 * MIB);
         r.set_memory_fraction(0.5, 0).unwrap();
         assert_eq!(r.cache_info(0), 512 * MIB - 100 * MIB, "within the cap");
-        assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed(100 * MIB));
         assert_eq!(r.cache_info(-1), 0, "a bad device: nothing");
         assert_eq!(r.counters.other_errors.load(Ordering::Relaxed), 1);
     }
@@ -957,7 +1002,7 @@ mod tests {
         let r = sim(2, 1 << 30, false);
         let on0 = r.alloc(3 * MIB, 0, 0).unwrap();
         let on1_side = r.alloc(1000, 1, 7).unwrap();
-        assert_eq!(r.free_any(on1_side), FreeOutcome::Freed);
+        assert_eq!(r.free_any(on1_side), FreeOutcome::Freed(1024));
         assert_eq!(r.memory_stats(1).allocated_bytes.all.current, 0);
         assert_eq!(
             r.memory_stats(0).allocated_bytes.all.current,
@@ -966,8 +1011,8 @@ mod tests {
         );
         // Device 0 has a null-stream pool, which is asked first and passed over in the search.
         let on0_side = r.alloc(5 * MIB, 0, 0x55).unwrap();
-        assert_eq!(r.free_any(on0_side), FreeOutcome::Freed);
-        assert_eq!(r.free_any(on0), FreeOutcome::Freed);
+        assert_eq!(r.free_any(on0_side), FreeOutcome::Freed(5 * MIB));
+        assert_eq!(r.free_any(on0), FreeOutcome::Freed(3 * MIB));
         assert_eq!(r.memory_stats(0).allocated_bytes.all.current, 0);
         assert_eq!(r.free_any(0), FreeOutcome::Null);
         assert_eq!(r.free_any(on0), FreeOutcome::DoubleFree);
@@ -987,7 +1032,7 @@ mod tests {
         let r = sim(1, 1 << 30, true);
         let a = r.alloc(8 * MIB, 0, 0).unwrap();
         assert!(r.record_stream(a, 0x55));
-        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(a, 0, 0), FreeOutcome::Freed(8 * MIB));
         let active = r.memory_stats(0).active_bytes.all.current;
         assert_eq!(
             active,
@@ -1116,7 +1161,7 @@ mod tests {
             })
             .unwrap_err();
         assert!(e.turning_off, "{e:?}");
-        assert_eq!(r.free(p, 0, 0), FreeOutcome::Freed);
+        assert_eq!(r.free(p, 0, 0), FreeOutcome::Freed(MIB));
     }
 
     #[test]

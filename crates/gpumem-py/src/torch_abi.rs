@@ -10,6 +10,11 @@
 //! | [`gpumem_torch_record_stream`] | `set_record_stream_fn` | `void (void* ptr, cudaStream_t stream)` |
 //! | [`gpumem_torch_empty_cache`] | `set_reset_fn` (`torch.cuda.empty_cache`) | `void ()` |
 //! | [`gpumem_torch_set_memory_fraction`] | `set_memory_fraction_fn` | `void (double fraction, int device)` |
+//! | [`gpumem_torch_device_stats`] | the native allocator's `getDeviceStats` | `size_t (int device, int64_t* out, size_t len)` |
+//! | [`gpumem_torch_reset_peak_stats`] | the native allocator's `resetPeakStats` | `int (int device)` |
+//! | [`gpumem_torch_reset_accumulated_stats`] | the native allocator's `resetAccumulatedStats` | `int (int device)` |
+//! | [`gpumem_torch_alloc_reporting`] | the native allocator's `allocate` under the memory profiler | `void* (size_t size, int device, cudaStream_t stream, int64_t usage[3])` |
+//! | [`gpumem_torch_free_reporting`] | its deleters under the memory profiler | `void (void* ptr, int device, int64_t usage[4])` |
 //!
 //! No Rust panic crosses these functions: each runs inside `catch_unwind`. The allocation
 //! function is the only one that fails visibly: PyTorch never checks the pointer it returns,
@@ -176,6 +181,191 @@ pub extern "C" fn gpumem_torch_set_memory_fraction(fraction: f64, device: c_int)
             "gpumem: internal error (a panic) in set_memory_fraction"
         )),
     }
+}
+
+/// How many values [`gpumem_torch_device_stats`] writes: c10's `DeviceStats` in its own order.
+/// First its nine statistics (allocation, segment, active, inactive_split, allocated_bytes,
+/// reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes). Each has three pools
+/// (all, small, large) of four values (current, peak, allocated, freed). Then the counters
+/// num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc and num_device_free.
+/// `python/gpumem/csrc/torch_allocator.cpp` reads them in this order.
+pub const DEVICE_STATS_LEN: usize = 9 * 3 * 4 + 5;
+
+/// `device`'s statistics in c10's order (see [`DEVICE_STATS_LEN`]).
+pub fn device_stats_array(device: usize) -> [i64; DEVICE_STATS_LEN] {
+    let m = global().memory_stats(device);
+    let mut out = [0i64; DEVICE_STATS_LEN];
+    let arrays = [
+        &m.allocation,
+        &m.segment,
+        &m.active,
+        &m.inactive_split,
+        &m.allocated_bytes,
+        &m.reserved_bytes,
+        &m.active_bytes,
+        &m.inactive_split_bytes,
+        &m.requested_bytes,
+    ];
+    let stats = arrays
+        .iter()
+        .flat_map(|a| [&a.all, &a.small_pool, &a.large_pool])
+        .flat_map(|s| [s.current, s.peak, s.allocated, s.freed]);
+    let counters = [
+        m.num_alloc_retries,
+        m.num_ooms,
+        m.num_sync_all_streams,
+        m.num_device_alloc,
+        m.num_device_free,
+    ];
+    for (o, v) in out.iter_mut().zip(stats.chain(counters)) {
+        *o = v;
+    }
+    out
+}
+
+/// The device index `device`, if it can be one.
+fn known_device(device: c_int) -> Option<usize> {
+    usize::try_from(device)
+        .ok()
+        .filter(|&d| d < crate::registry::MAX_DEVICES)
+}
+
+/// c10's `getDeviceStats`: writes the first `len` of `device`'s [`DEVICE_STATS_LEN`]
+/// statistics to `out` (all zero where gpumem never allocated) and returns
+/// [`DEVICE_STATS_LEN`]; returns 0, writing nothing, for a device index that cannot be one.
+///
+/// # Safety
+/// `out` must be valid for writes of `len` `int64_t`s (or `len` must be 0).
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_torch_device_stats(
+    device: c_int,
+    out: *mut i64,
+    len: usize,
+) -> usize {
+    let Some(d) = known_device(device) else {
+        return 0;
+    };
+    let Ok(values) = catch_unwind(|| device_stats_array(d)) else {
+        warn(format_args!(
+            "gpumem: internal error (a panic) in device_stats; please report it"
+        ));
+        return 0;
+    };
+    let n = len.min(DEVICE_STATS_LEN);
+    if n > 0 && !out.is_null() {
+        // SAFETY: the caller guarantees `out` is valid for `len` writes, and n <= len.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), out, n) };
+    }
+    DEVICE_STATS_LEN
+}
+
+/// c10's `resetPeakStats`: `device`'s peaks become the current values. Returns 0, or 1 for a
+/// device index that cannot be one.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_reset_peak_stats(device: c_int) -> c_int {
+    reset(device, |d| global().reset_peak_stats(d), "reset_peak_stats")
+}
+
+/// c10's `resetAccumulatedStats`: `device`'s allocated/freed totals and counters go to zero.
+/// Returns 0, or 1 for a device index that cannot be one.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_reset_accumulated_stats(device: c_int) -> c_int {
+    reset(
+        device,
+        |d| global().reset_accumulated_stats(d),
+        "reset_accumulated_stats",
+    )
+}
+
+fn reset(device: c_int, f: impl FnOnce(usize), what: &str) -> c_int {
+    let Some(d) = known_device(device) else {
+        return 1;
+    };
+    if catch_unwind(AssertUnwindSafe(|| f(d))).is_err() {
+        warn(format_args!(
+            "gpumem: internal error (a panic) in {what}; please report it"
+        ));
+    }
+    0
+}
+
+/// `device`'s bytes allocated and reserved now, as the profiler is told them.
+fn usage(device: usize) -> (i64, i64) {
+    let m = global().memory_stats(device);
+    (m.allocated_bytes.all.current, m.reserved_bytes.all.current)
+}
+
+/// [`gpumem_torch_alloc`] for the native allocator while PyTorch's memory profiler is on: also
+/// writes to `usage` the block's bytes as handed out, then the device's bytes allocated and
+/// reserved after it (what c10's `reportMemoryUsageToProfiler` takes). Throws as
+/// [`gpumem_torch_alloc`] does.
+///
+/// # Safety
+/// `usage` must be valid for writes of three `int64_t`s.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn gpumem_torch_alloc_reporting(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    usage_out: *mut i64,
+) -> *mut c_void {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let (ptr, bytes) = global().alloc_sized(size as u64, device, stream as u64)?;
+        let (allocated, reserved) = known_device(device).map(usage).unwrap_or((0, 0));
+        Ok::<_, TorchError>((ptr, [bytes as i64, allocated, reserved]))
+    }));
+    let err = match result {
+        Ok(Ok((ptr, values))) => {
+            // SAFETY: the caller guarantees `usage_out` is valid for three writes.
+            unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 3) };
+            return ptr as *mut c_void;
+        }
+        Ok(Err(e)) => e,
+        Err(_) => TorchError::Other(format!(
+            "gpumem: internal error (a panic) while allocating {size} bytes on device {device}; \
+             please report it"
+        )),
+    };
+    throw(err)
+}
+
+/// The native allocator's deleters and `raw_delete` while PyTorch's memory profiler is on:
+/// frees `ptr` (allocated on `device`, or on any device if `device` is negative), then writes
+/// to `usage` the bytes freed (0 if nothing was), the device it was found on (-1 if none),
+/// and that device's bytes allocated and reserved after it. Never throws; misuse is counted
+/// and reported once, as in [`gpumem_torch_free`].
+///
+/// # Safety
+/// `usage` must be valid for writes of four `int64_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_torch_free_reporting(
+    ptr: *mut c_void,
+    device: c_int,
+    usage_out: *mut i64,
+) {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let (outcome, found) = if device < 0 {
+            global().free_any_located(ptr as u64)
+        } else {
+            let outcome = global().free(ptr as u64, device, 0);
+            (outcome, known_device(device))
+        };
+        match (outcome, found) {
+            (crate::registry::FreeOutcome::Freed(bytes), Some(d)) => {
+                let (allocated, reserved) = usage(d);
+                [bytes as i64, d as i64, allocated, reserved]
+            }
+            _ => [0, -1, 0, 0],
+        }
+    }));
+    let values = r.unwrap_or_else(|_| {
+        warn(format_args!(
+            "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
+        ));
+        [0, -1, 0, 0]
+    });
+    // SAFETY: the caller guarantees `usage_out` is valid for four writes.
+    unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 4) };
 }
 
 /// Makes out-of-memory failures `c10::OutOfMemoryError`s (so that Python sees
@@ -366,6 +556,59 @@ mod tests {
         }
         gpumem_torch_empty_cache();
         assert_eq!(global().memory_stats(0).reserved_bytes.all.current, 0);
+
+        // What the native allocator reads for c10 and the memory profiler.
+        let mut usage = [0i64; 4];
+        // SAFETY: `usage` holds four values; three are written.
+        let p = unsafe {
+            gpumem_torch_alloc_reporting(3000, 0, std::ptr::null_mut(), usage.as_mut_ptr())
+        };
+        assert!(!p.is_null());
+        let reserved = global().memory_stats(0).reserved_bytes.all.current;
+        assert_eq!(
+            usage[..3],
+            [3072, 3072, reserved],
+            "bytes, allocated, reserved"
+        );
+        let mut stats = [0i64; DEVICE_STATS_LEN + 1];
+        // SAFETY: `stats` holds DEVICE_STATS_LEN + 1 values.
+        let n = unsafe { gpumem_torch_device_stats(0, stats.as_mut_ptr(), stats.len()) };
+        assert_eq!(n, DEVICE_STATS_LEN);
+        assert_eq!(stats[..DEVICE_STATS_LEN], device_stats_array(0));
+        assert_eq!(
+            stats[DEVICE_STATS_LEN], 0,
+            "nothing written past the statistics"
+        );
+        // allocated_bytes (the fifth statistic), all pools: current, peak, allocated, freed.
+        let m = global().memory_stats(0);
+        assert_eq!(stats[4 * 12], 3072);
+        assert_eq!(stats[4 * 12 + 1], m.allocated_bytes.all.peak);
+        assert_eq!(stats[4 * 12 + 2], m.allocated_bytes.all.allocated);
+        assert_eq!(stats[4 * 12 + 3], m.allocated_bytes.all.freed);
+        // The counters last: num_ooms counted the refusals above.
+        assert_eq!(stats[DEVICE_STATS_LEN - 4], m.num_ooms);
+        assert!(m.num_ooms >= 3);
+        // SAFETY: a null `out` with len 0 writes nothing.
+        assert_eq!(
+            unsafe { gpumem_torch_device_stats(-1, std::ptr::null_mut(), 0) },
+            0
+        );
+        assert_eq!(gpumem_torch_reset_peak_stats(64), 1);
+        assert_eq!(gpumem_torch_reset_accumulated_stats(0), 0);
+        let m = global().memory_stats(0);
+        assert_eq!((m.allocation.all.allocated, m.num_ooms), (0, 0));
+        assert_eq!(m.allocated_bytes.all.current, 3072);
+        // Freed by pointer alone (device -1): bytes, the device found, then the totals.
+        // SAFETY: `usage` holds four values.
+        unsafe { gpumem_torch_free_reporting(p, -1, usage.as_mut_ptr()) };
+        let reserved = global().memory_stats(0).reserved_bytes.all.current;
+        assert_eq!(usage, [3072, 0, 0, reserved]);
+        // SAFETY: as above; a second free frees nothing and names no device.
+        unsafe { gpumem_torch_free_reporting(p, 0, usage.as_mut_ptr()) };
+        assert_eq!(usage, [0, -1, 0, 0]);
+        assert_eq!(count(&global().counters.double_frees), 2);
+        assert_eq!(gpumem_torch_reset_peak_stats(0), 0);
+        assert_eq!(global().memory_stats(0).allocated_bytes.all.peak, 0);
         assert!(!oom_is_c10());
         assert!(bind_c10("/nonexistent/libc10.so", "/nonexistent/libc10_cuda.so").is_err());
     }

@@ -14,11 +14,14 @@
 // arrive as C++ exceptions thrown by those hooks (c10::OutOfMemoryError once gpumem bound it),
 // which pass through this file unchanged.
 //
-// Everything PyTorch asks of an allocator beyond allocation, frees, record_stream,
-// empty_cache, the memory fraction and cacheInfo (which the pluggable allocator lacks, so that
-// cuDNN's benchmark mode fails under it) behaves as under the pluggable allocator: statistics,
-// snapshots and history are gpumem's own Python functions (install() points torch.cuda's at
-// them), and the rest raises a clear error.
+// Beyond what the pluggable allocator offers (allocation, frees, record_stream, empty_cache,
+// the memory fraction), this class answers cacheInfo (which cuDNN's benchmark mode calls; the
+// pluggable allocator raises there), c10's statistics (getDeviceStats, resetPeakStats,
+// resetAccumulatedStats, so torch._C's own functions read gpumem's figures) and tells
+// PyTorch's memory profiler of each allocation and free (torch.profiler with
+// profile_memory=True), as PyTorch's own allocator does. Snapshots and history are gpumem's own
+// Python functions (install() points torch.cuda's at them); the rest raises a clear error.
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -47,6 +50,15 @@ using RecordStreamFn = void (*)(void* ptr, cudaStream_t stream);
 using EmptyCacheFn = void (*)();
 using FractionFn = void (*)(double fraction, int device);
 using CacheInfoFn = size_t (*)(int device);
+using DeviceStatsFn = size_t (*)(int device, int64_t* out, size_t len);
+using ResetStatsFn = int (*)(int device);
+using AllocReportingFn = void* (*)(size_t size, int device, cudaStream_t stream, int64_t* usage);
+using FreeReportingFn = void (*)(void* ptr, int device, int64_t* usage);
+
+// The number of values DeviceStatsFn writes, in c10's DeviceStats order (torch_abi.rs,
+// DEVICE_STATS_LEN): nine StatArrays of three pools of four values, then five counters.
+constexpr size_t kStatArrays = 9;
+constexpr size_t kDeviceStatsLen = kStatArrays * 3 * 4 + 5;
 
 struct Hooks {
   AllocFn alloc = nullptr;
@@ -56,17 +68,46 @@ struct Hooks {
   EmptyCacheFn empty_cache = nullptr;
   FractionFn set_fraction = nullptr;
   CacheInfoFn cache_info = nullptr;
+  DeviceStatsFn device_stats = nullptr;
+  ResetStatsFn reset_peak_stats = nullptr;
+  ResetStatsFn reset_accumulated_stats = nullptr;
+  AllocReportingFn alloc_reporting = nullptr;
+  FreeReportingFn free_reporting = nullptr;
 };
 
 // Written once by gpumem_native_install before the allocator is published to PyTorch (an
 // atomic store in changeCurrentAllocator), read-only afterwards.
 Hooks hooks;
 
+// Tells PyTorch's memory profiler of an allocation (bytes > 0) or a free (bytes < 0), with the
+// device's totals after it: usage = {bytes, allocated, reserved}.
+void report_to_profiler(void* ptr, const int64_t* usage, c10::DeviceIndex device) {
+  c10::reportMemoryUsageToProfiler(ptr, usage[0], static_cast<size_t>(usage[1]),
+                                   static_cast<size_t>(usage[2]),
+                                   c10::Device(c10::DeviceType::CUDA, device));
+}
+
+// A free while the memory profiler is on: gpumem says how many bytes it freed on which device
+// (device < 0: any), and the profiler is told.
+void free_reporting(void* ptr, int device) {
+  int64_t usage[4] = {0, -1, 0, 0};  // bytes, device, allocated, reserved
+  hooks.free_reporting(ptr, device, usage);
+  if (usage[0] > 0) {
+    const int64_t report[3] = {-usage[0], usage[2], usage[3]};
+    report_to_profiler(ptr, report, static_cast<c10::DeviceIndex>(usage[1]));
+  }
+}
+
 // A tensor's deleter gets only its pointer, so there is one deleter per device: freeing names
 // the device the block came from, and gpumem's free looks the block up by address (the null
-// stream only says which of the device's streams to look at first).
+// stream only says which of the device's streams to look at first). The profiler check is a
+// thread-local read, as in PyTorch's own allocator, which reports every free.
 template <int Device>
 void free_on_device(void* ptr) {
+  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+    free_reporting(ptr, Device);
+    return;
+  }
   hooks.free(ptr, 0, Device, nullptr);
 }
 
@@ -79,7 +120,56 @@ constexpr auto kDeleters = deleter_table(std::make_index_sequence<C10_COMPILE_TI
 
 // For pointers whose device is not known here (raw_delete, raw_deleter): gpumem searches.
 void free_anywhere(void* ptr) {
+  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+    free_reporting(ptr, -1);
+    return;
+  }
   hooks.free_any(ptr);
+}
+
+// An allocation of `n` bytes on `device` for `stream`, told to the memory profiler when it is
+// on. Throws on failure; null for 0 bytes.
+void* allocate_on(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+    int64_t usage[3] = {0, 0, 0};  // bytes, allocated, reserved
+    void* ptr = hooks.alloc_reporting(n, device, stream, usage);
+    if (ptr) report_to_profiler(ptr, usage, device);
+    return ptr;
+  }
+  return hooks.alloc(n, device, stream);
+}
+
+// c10's DeviceStats from gpumem's figures (the order of kDeviceStatsLen).
+c10::CachingDeviceAllocator::DeviceStats device_stats(c10::DeviceIndex device) {
+  std::array<int64_t, kDeviceStatsLen> v{};
+  TORCH_CHECK(hooks.device_stats(device, v.data(), v.size()) == kDeviceStatsLen,
+              "gpumem: invalid CUDA device index ", static_cast<int>(device));
+  c10::CachingDeviceAllocator::DeviceStats s;
+  c10::CachingDeviceAllocator::StatArray* arrays[kStatArrays] = {
+      &s.allocation,     &s.segment,      &s.active,
+      &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+      &s.active_bytes,   &s.inactive_split_bytes, &s.requested_bytes};
+  size_t i = 0;
+  for (auto* array : arrays) {
+    for (auto& stat : *array) {  // aggregate, small pool, large pool
+      stat.current = v[i++];
+      stat.peak = v[i++];
+      stat.allocated = v[i++];
+      stat.freed = v[i++];
+    }
+  }
+  s.num_alloc_retries = v[i++];
+  s.num_ooms = v[i++];
+  s.num_sync_all_streams = v[i++];
+  s.num_device_alloc = v[i++];
+  s.num_device_free = v[i++];
+  // gpumem splits blocks of any size (PyTorch's default: no limit, which reads -1).
+  s.max_split_size = -1;
+  return s;
+}
+
+void reset_stats(ResetStatsFn fn, c10::DeviceIndex device) {
+  TORCH_CHECK(fn(device) == 0, "gpumem: invalid CUDA device index ", static_cast<int>(device));
 }
 
 [[noreturn]] void unsupported(const char* what) {
@@ -109,7 +199,13 @@ class GpumemAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS, "gpumem: device index ",
                 static_cast<int>(device), " out of range");
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    void* ptr = hooks.alloc(n, device, stream);  // throws on failure; null for 0 bytes
+    return allocate_with_stream(n, device, stream);
+  }
+
+  // allocate() once the device and stream are known (gpumem_native_test_allocate calls it
+  // directly, where no GPU can be asked which device is current).
+  c10::DataPtr allocate_with_stream(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+    void* ptr = allocate_on(n, device, stream);  // throws on failure; null for 0 bytes
     return {ptr, ptr, kDeleters[static_cast<size_t>(device)],
             c10::Device(c10::DeviceType::CUDA, device)};
   }
@@ -118,14 +214,14 @@ class GpumemAllocator final : public cca::CUDAAllocator {
 
   void* raw_alloc(size_t nbytes) override {
     const c10::DeviceIndex device = current_device();
-    return hooks.alloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return allocate_on(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
-    return hooks.alloc(nbytes, current_device(), stream);
+    return allocate_on(nbytes, current_device(), stream);
   }
 
-  void raw_delete(void* ptr) override { hooks.free_any(ptr); }
+  void raw_delete(void* ptr) override { free_anywhere(ptr); }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     hooks.record_stream(ptr.get(), stream.stream());
@@ -160,6 +256,18 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   void releasePool(c10::DeviceIndex, c10::MempoolId_t) override {}
   std::string name() override { return "gpumem"; }
 
+  // Statistics under PyTorch's names, so that torch._C's own functions (and C++ callers of
+  // c10's getDeviceStats) read gpumem's figures.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    return device_stats(device);
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    reset_stats(hooks.reset_peak_stats, device);
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    reset_stats(hooks.reset_accumulated_stats, device);
+  }
+
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
   }
@@ -184,20 +292,13 @@ class GpumemAllocator final : public cca::CUDAAllocator {
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
 
-  // --- what PyTorch's pluggable allocator does not support either (statistics, snapshots and
-  // history through gpumem's Python functions) ------------------------------------------------
+  // --- what PyTorch's pluggable allocator does not support either (snapshots and history
+  // through gpumem's Python functions) ---------------------------------------------------------
 
   double getMemoryFraction(c10::DeviceIndex) override { use_python("getMemoryFraction"); }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
     unsupported("getExpandableSegmentSizes");
   }
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
-    use_python("getDeviceStats");
-  }
-  void resetAccumulatedStats(c10::DeviceIndex) override {
-    unsupported("resetAccumulatedStats");
-  }
-  void resetPeakStats(c10::DeviceIndex) override { use_python("resetPeakStats"); }
   cca::SnapshotInfo snapshot(c10::MempoolId_t, bool) override {
     use_python("snapshot");
   }
@@ -238,10 +339,14 @@ void report(char* err, int err_len, const std::string& msg) {
 // initialized; a hook address is missing).
 extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr_t free_any,
                                      uintptr_t record_stream, uintptr_t empty_cache,
-                                     uintptr_t set_fraction, uintptr_t cache_info, char* err,
-                                     int err_len) {
+                                     uintptr_t set_fraction, uintptr_t cache_info,
+                                     uintptr_t device_stats, uintptr_t reset_peak_stats,
+                                     uintptr_t reset_accumulated_stats,
+                                     uintptr_t alloc_reporting, uintptr_t free_reporting,
+                                     char* err, int err_len) {
   if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
-      !cache_info) {
+      !cache_info || !device_stats || !reset_peak_stats || !reset_accumulated_stats ||
+      !alloc_reporting || !free_reporting) {
     report(err, err_len, "a gpumem hook address is null");
     return 1;
   }
@@ -253,6 +358,11 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     hooks.empty_cache = reinterpret_cast<EmptyCacheFn>(empty_cache);
     hooks.set_fraction = reinterpret_cast<FractionFn>(set_fraction);
     hooks.cache_info = reinterpret_cast<CacheInfoFn>(cache_info);
+    hooks.device_stats = reinterpret_cast<DeviceStatsFn>(device_stats);
+    hooks.reset_peak_stats = reinterpret_cast<ResetStatsFn>(reset_peak_stats);
+    hooks.reset_accumulated_stats = reinterpret_cast<ResetStatsFn>(reset_accumulated_stats);
+    hooks.alloc_reporting = reinterpret_cast<AllocReportingFn>(alloc_reporting);
+    hooks.free_reporting = reinterpret_cast<FreeReportingFn>(free_reporting);
     // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
     // PyTorch's own allocator has not been initialized.
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
@@ -276,4 +386,24 @@ extern "C" int gpumem_native_cache_info(int device, size_t* largest) {
   } catch (...) {
     return 1;
   }
+}
+
+// For the tests, where no GPU can say which device is current: allocate() on `device` and the
+// null stream, then (if `release`) drop the tensor's DataPtr, which runs its deleter, both as
+// PyTorch would. Writes the pointer to `out`. Returns 0, or 1 with a message in `err` if it
+// threw.
+extern "C" int gpumem_native_test_allocate(size_t n, int device, int release, void** out,
+                                           char* err, int err_len) {
+  try {
+    auto* allocator = dynamic_cast<GpumemAllocator*>(cca::get());
+    TORCH_CHECK(allocator != nullptr, "gpumem's native allocator is not PyTorch's");
+    c10::DataPtr p =
+        allocator->allocate_with_stream(n, static_cast<c10::DeviceIndex>(device), nullptr);
+    *out = p.get();
+    if (!release) (void)p.release_context();  // kept: freed later through raw_delete
+    return 0;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  }
+  return 1;
 }

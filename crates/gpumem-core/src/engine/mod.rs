@@ -83,6 +83,9 @@ pub struct Allocator {
     /// [`Allocator::set_memory_fraction`]), which the cap in bytes only approximates; `None`
     /// for a cap given in bytes, or none.
     cap_fraction: Mutex<Option<f64>>,
+    /// The statistics at the last [`Allocator::reset_accumulated_stats`], whose totals and
+    /// counters [`Allocator::memory_stats`] subtracts (the policies' own only ever grow).
+    accumulated_base: Mutex<Option<MemoryStats>>,
 }
 
 impl Allocator {
@@ -153,6 +156,7 @@ impl Allocator {
             config,
             first_stream: Mutex::new((None, false)),
             cap_fraction: Mutex::new(cap_fraction),
+            accumulated_base: Mutex::new(None),
         })
     }
 
@@ -468,28 +472,37 @@ impl Allocator {
 
     /// Frees the block at `ptr` (searching every stream's pool for it).
     pub fn free(&self, ptr: DevPtr) -> Result<(), AllocError> {
-        self.free_searching(ptr, None)
+        self.free_searching(ptr, None).map(drop)
     }
 
     /// Frees the block at `ptr`, which was allocated on `stream` (PyTorch's free hook passes
     /// it); falls back to a search if it was not. The common case takes the stream's lock
     /// once: the free itself is the lookup.
+    #[inline]
     pub fn free_on(&self, ptr: DevPtr, stream: Stream) -> Result<(), AllocError> {
+        self.free_on_sized(ptr, stream).map(drop)
+    }
+
+    /// [`Allocator::free_on`], returning the bytes of the block freed (its size as handed out:
+    /// the request rounded up), as PyTorch's profiler is told of a free.
+    pub fn free_on_sized(&self, ptr: DevPtr, stream: Stream) -> Result<u64, AllocError> {
         let tried = self.shards.get(stream);
         if let Some((_, sh)) = tried {
-            if self.try_free_in(sh, ptr, None)? {
-                return Ok(());
+            if let Some(bytes) = self.try_free_in(sh, ptr, None)? {
+                return Ok(bytes);
             }
         }
         self.free_searching(ptr, tried.map(|(i, _)| i))
     }
 
     /// Frees the block at `ptr` in whichever stream's pool holds it, skipping the pool at
-    /// index `tried` (already asked).
-    fn free_searching(&self, ptr: DevPtr, tried: Option<usize>) -> Result<(), AllocError> {
+    /// index `tried` (already asked); returns its bytes.
+    fn free_searching(&self, ptr: DevPtr, tried: Option<usize>) -> Result<u64, AllocError> {
         for (i, sh) in self.shards.iter() {
-            if Some(i) != tried && self.try_free_in(sh, ptr, None)? {
-                return Ok(());
+            if Some(i) != tried {
+                if let Some(bytes) = self.try_free_in(sh, ptr, None)? {
+                    return Ok(bytes);
+                }
             }
         }
         Err(self.not_live(ptr))
@@ -500,7 +513,7 @@ impl Allocator {
     pub fn free_allocation(&self, a: &Allocation) -> Result<(), AllocError> {
         match self.shards.slot(a.shard as usize) {
             Some(sh) if sh.stream == a.stream => {
-                if self.try_free_in(sh, a.ptr, Some(a.handle))? {
+                if self.try_free_in(sh, a.ptr, Some(a.handle))?.is_some() {
                     Ok(())
                 } else {
                     Err(self.not_live(a.ptr))
@@ -510,24 +523,23 @@ impl Allocator {
         }
     }
 
-    /// Frees the block at `ptr` if it is a live block of `shard`; `Ok(false)`, with nothing
-    /// changed, if it is not.
+    /// Frees the block at `ptr` if it is a live block of `shard`, returning its bytes;
+    /// `Ok(None)`, with nothing changed, if it is not.
     #[inline]
     fn try_free_in(
         &self,
         shard: &Shard,
         ptr: DevPtr,
         handle: Option<u32>,
-    ) -> Result<bool, AllocError> {
+    ) -> Result<Option<u64>, AllocError> {
         let mut st = shard.state.lock();
         if st.uses.is_empty() && self.tracker.is_none() {
             // The common case: no block of the stream was used on another one and no history
             // is kept, so the block is reusable at once and the policy's free checks it.
-            let known = match handle {
+            return Ok(match handle {
                 Some(h) => st.policy.free_handle(h, ptr, &self.device)?,
                 None => st.policy.free(ptr, &self.device)?,
-            };
-            return Ok(known.is_some());
+            });
         }
         self.try_free_tracked(shard, st, ptr, handle)
     }
@@ -541,7 +553,7 @@ impl Allocator {
         mut st: ShardGuard<'_>,
         ptr: DevPtr,
         handle: Option<u32>,
-    ) -> Result<bool, AllocError> {
+    ) -> Result<Option<u64>, AllocError> {
         let uses = if st.uses.is_empty() {
             None
         } else {
@@ -558,7 +570,7 @@ impl Allocator {
                 if let Some(u) = uses.filter(|_| st.policy.is_allocated(ptr)) {
                     st.uses.insert(ptr, u); // live under another handle: its uses stay
                 }
-                return Ok(false);
+                return Ok(None);
             }
         }
         // Used on other streams: an event on each of them first, so that if the driver
@@ -587,21 +599,18 @@ impl Allocator {
                 self.track(Action::FreeCompleted, ptr, 0, shard.stream);
             }
         }
-        let known = match uses {
+        let freed = match uses {
             // Used on no other stream: reusable at once.
             None => match handle {
-                Some(h) => st.policy.free_handle(h, ptr, &self.device)?.is_some(),
-                None => st.policy.free(ptr, &self.device)?.is_some(),
+                Some(h) => st.policy.free_handle(h, ptr, &self.device)?,
+                None => st.policy.free(ptr, &self.device)?,
             },
-            Some(_) => st.policy.free_requested(ptr, &self.device).is_some(),
+            Some(_) => st.policy.free_requested(ptr, &self.device),
         };
-        if !known {
-            return Ok(false);
-        }
-        if uses.is_some() {
+        if freed.is_some() && uses.is_some() {
             st.pending.push(Pending { addr: ptr, events });
         }
-        Ok(true)
+        Ok(freed)
     }
 
     /// The error for `ptr`, which is no live block: a double free if it starts a cached block
@@ -702,6 +711,22 @@ impl Allocator {
     /// with several streams allocating, the peak shown is an upper bound); physical memory
     /// statistics are exact.
     pub fn memory_stats(&self) -> MemoryStats {
+        let mut m = self.memory_stats_since_start();
+        if let Some(base) = self.accumulated_base.lock().as_ref() {
+            m.since(base);
+        }
+        m
+    }
+
+    /// Zeroes the `allocated`/`freed` totals and the counters of [`Allocator::memory_stats`]
+    /// (`torch.cuda.reset_accumulated_memory_stats`); current values and peaks stay.
+    pub fn reset_accumulated_stats(&self) {
+        let mut base = self.accumulated_base.lock();
+        *base = Some(self.memory_stats_since_start());
+    }
+
+    /// [`Allocator::memory_stats`] counted from the allocator's start.
+    fn memory_stats_since_start(&self) -> MemoryStats {
         let mut m = MemoryStats::default();
         for (_, sh) in self.shards.iter() {
             let st = sh.state.lock();

@@ -82,9 +82,14 @@ fn torch_memory_stats(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, P
 /// Resets the peaks of `device`'s statistics.
 #[pyfunction]
 fn torch_reset_peak_memory_stats(device_index: i64) -> PyResult<()> {
-    if let Some(s) = global().get(device(device_index)?) {
-        s.alloc.reset_peak_stats();
-    }
+    global().reset_peak_stats(device(device_index)?);
+    Ok(())
+}
+
+/// Zeroes the allocated/freed totals and the counters of `device`'s statistics.
+#[pyfunction]
+fn torch_reset_accumulated_memory_stats(device_index: i64) -> PyResult<()> {
+    global().reset_accumulated_stats(device(device_index)?);
     Ok(())
 }
 
@@ -274,7 +279,7 @@ fn torch_alloc(py: Python<'_>, size: u64, device_index: i32, stream: u64) -> PyR
 #[pyo3(signature = (ptr, device_index=0, stream=0))]
 fn torch_free(py: Python<'_>, ptr: u64, device_index: i32, stream: u64) -> &'static str {
     match py.detach(|| global().free(ptr, device_index, stream)) {
-        FreeOutcome::Freed => "freed",
+        FreeOutcome::Freed(_) => "freed",
         FreeOutcome::Null => "null",
         FreeOutcome::Foreign => "foreign",
         FreeOutcome::DoubleFree => "double_free",
@@ -354,6 +359,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_devices, m)?)?;
     m.add_function(wrap_pyfunction!(torch_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torch_reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_reset_accumulated_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torch_memory_summary, m)?)?;
     m.add_function(wrap_pyfunction!(torch_memory_stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(torch_snapshot, m)?)?;
