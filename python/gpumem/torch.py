@@ -127,6 +127,15 @@ def _function_address(lib: ctypes.CDLL, name: str) -> int:
     return addr
 
 
+def _graph_pool_refusal(lib: ctypes.CDLL) -> int:
+    """The address of the C++ hook that refuses private pools (CUDA graph capture,
+    torch.cuda.MemPool), for both install paths."""
+    get = lib.gpumem_torch_begin_allocate_to_pool_address
+    get.restype = ctypes.c_size_t
+    get.argtypes = []
+    return int(get())
+
+
 def _bind_torch_oom(torch: Any) -> Optional[str]:
     """Make gpumem's out-of-memory errors torch.cuda.OutOfMemoryError. Returns why not."""
     lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -224,14 +233,18 @@ def install(
         else:
             allocator = torch.cuda.memory.CUDAPluggableAllocator(so_path, _ALLOC_FN, _FREE_FN)
             raw = allocator.allocator()
-            for fn_name, setter in _HOOKS:
+            hooks = [(setter, _function_address(lib, fn)) for fn, setter in _HOOKS]
+            # CUDA graph capture and MemPools are refused with a clear error (gpumem has no
+            # private pools), instead of silently sharing a graph's memory.
+            hooks.append(("set_begin_allocate_to_pool", _graph_pool_refusal(lib)))
+            for setter, address in hooks:
                 set_fn = getattr(raw, setter, None)
                 if set_fn is None:
                     raise GpumemError(
                         f"this PyTorch ({torch.__version__}) has no "
                         f"CUDAPluggableAllocator.{setter}; gpumem needs it (PyTorch >= 2.3)"
                     )
-                set_fn(_function_address(lib, fn_name))
+                set_fn(address)
         oom_problem = _bind_torch_oom(torch)
         if use_native:
             _switch_to_native(allocator, lib)
@@ -342,18 +355,23 @@ def _build_native_allocator(torch: Any) -> ctypes.CDLL:
             "building gpumem's native allocator initialized CUDA, so PyTorch would refuse it; "
             "use install(native=False)"
         )
-    nat = ctypes.CDLL(path)
-    nat.gpumem_native_install.restype = ctypes.c_int
-    nat.gpumem_native_install.argtypes = [ctypes.c_void_p] * len(_NATIVE_HOOKS) + [
-        ctypes.c_char_p,
-        ctypes.c_int,
-    ]
-    return nat
+    return ctypes.CDLL(path)
+
+
+def _native_hook_addresses(lib: ctypes.CDLL) -> List[int]:
+    """The addresses gpumem_native_install takes, in its order: the exported hooks, then the
+    C++ refusal of private pools."""
+    return [_function_address(lib, n) for n in _NATIVE_HOOKS] + [_graph_pool_refusal(lib)]
 
 
 def _switch_to_native(nat: ctypes.CDLL, lib: ctypes.CDLL) -> None:
     """Makes the built native allocator PyTorch's; it calls gpumem._native's hooks."""
-    addrs = [_function_address(lib, n) for n in _NATIVE_HOOKS]
+    addrs = _native_hook_addresses(lib)
+    nat.gpumem_native_install.restype = ctypes.c_int
+    nat.gpumem_native_install.argtypes = [ctypes.c_void_p] * len(addrs) + [
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
     err = ctypes.create_string_buffer(1024)
     if nat.gpumem_native_install(*addrs, err, len(err)) != 0:
         raise GpumemError(

@@ -470,12 +470,15 @@ def test_native_allocator_ships_its_source_and_finds_every_hook():
     signature = re.search(r'extern "C" int gpumem_native_install\(([^)]*)\)', src)
     assert signature, "the C entry point install() calls"
     params = [p.strip() for p in signature.group(1).split(",")]
-    # One address per hook, in _NATIVE_HOOKS' order, then the error buffer and its length.
-    assert len(params) == len(gpumem.torch._NATIVE_HOOKS) + 2, params
-    assert all(p.startswith("uintptr_t") for p in params[:-2]), params
+    # One address per hook (the exported ones in _NATIVE_HOOKS' order, then the refusal of
+    # private pools), then the error buffer and its length.
     lib = ctypes.CDLL(_native.__file__)
-    for name in gpumem.torch._NATIVE_HOOKS:
-        assert gpumem.torch._function_address(lib, name) > 0, name
+    addresses = gpumem.torch._native_hook_addresses(lib)
+    assert len(addresses) == len(gpumem.torch._NATIVE_HOOKS) + 1
+    assert len(params) == len(addresses) + 2, params
+    assert all(p.startswith("uintptr_t") for p in params[:-2]), params
+    assert params[-3] == "uintptr_t begin_allocate_to_pool", params
+    assert all(a > 0 for a in addresses)
 
 
 def test_free_by_pointer_alone_finds_the_device_and_stream():

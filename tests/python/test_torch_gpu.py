@@ -161,6 +161,37 @@ print(json.dumps({"events": cuda_events, "c10_allocated": c10_allocated,
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
+def test_cuda_graph_capture_is_refused_before_it_begins(install_path):
+    # gpumem has no private pools, so CUDA graph capture (which asks for one before
+    # cudaStreamBeginCapture) fails with gpumem's message instead of sharing the graph's
+    # memory with eager tensors; the process goes on with eager work on the same stream.
+    r = run_python(
+        PRELUDE
+        + """
+x = torch.randn(256, 256, device="cuda")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+g = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            y = x @ x
+    error = None
+except RuntimeError as e:
+    error = str(e)
+with torch.cuda.stream(s):
+    z = (x @ x).sum().item()
+torch.cuda.synchronize()
+status = torch.cuda.is_current_stream_capturing()
+print(json.dumps({"error": error, "after": z == z, "capturing": status,
+                  "errors": gpumem.torch.error_counts()}))
+"""
+    )
+    assert r["error"] is not None and "gpumem has no private memory pools" in r["error"], r
+    assert r["after"] and not r["capturing"]
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
 def test_raw_allocations_on_a_side_stream_are_freed_by_pointer_alone():
     # torch.cuda.caching_allocator_alloc/delete: PyTorch's raw path (cuBLAS workspaces, NCCL,
     # thrust). Under the native allocator the delete carries only the pointer, so gpumem must

@@ -32,7 +32,14 @@ with warnings.catch_warnings(record=True) as w:
     gpumem.torch.install(conf="policy:stitched")
 kind, cpp_type, what = _native.torch_call_alloc_from_cpp(4 << 30, 0, 0)
 ok = _native.torch_call_alloc_from_cpp(1 << 20, 0, 0)
+# CUDA graph capture asks for a private pool first (before the capture begins): refused.
+try:
+    torch._C._cuda_beginAllocateToPool(0, (0, 7))
+    pool = None
+except RuntimeError as e:
+    pool = str(e)
 print(json.dumps({
+    "pool": pool,
     "warnings": [str(x.message) for x in w if "gpumem" in str(x.message)],
     "oom_exception": gpumem.torch.oom_exception(),
     "backend": torch._C._cuda_getAllocatorBackend(),
@@ -53,6 +60,8 @@ print(json.dumps({
     assert (kind, cpp_type) == ("threw", "c10::OutOfMemoryError")
     assert what.startswith("CUDA out of memory. gpumem on device 0")
     assert r["served"] == "returned"
+    assert r["pool"].startswith("gpumem has no private memory pools"), r["pool"]
+    assert "(device 0, pool (0, 7))" in r["pool"]
     # torch.cuda.memory_stats (patched) has exactly the keys of PyTorch's own.
     assert set(r["keys"]) == TORCH_STAT_KEYS
     # torch.cuda.get_per_process_memory_fraction (patched) reads gpumem's cap as it was given.
@@ -118,7 +127,13 @@ nat = gpumem.torch._installed["allocator"]
 largest = ctypes.c_size_t(0)
 keep = _native.torch_alloc(100 << 20, 0, 0)
 cache_rc = nat.gpumem_native_cache_info(0, ctypes.byref(largest))
+try:
+    torch._C._cuda_beginAllocateToPool(0, (0, 7))
+    pool = None
+except RuntimeError as e:
+    pool = str(e)
 print(json.dumps({
+    "pool": pool,
     "cache_info": [cache_rc, largest.value],
     "allocated": allocated, "after_delete": after_delete, "reserved": reserved,
     "after_empty": after_empty, "errors": gpumem.torch.error_counts(),
@@ -150,6 +165,9 @@ print(json.dumps({
     # 1 GiB simulated, 100 MiB live: the rest can still be served (PyTorch's pluggable
     # allocator raises here instead).
     assert r["cache_info"] == [0, (1 << 30) - (100 << 20)]
+    # CUDA graph capture's request for a private pool: refused through the same hook as on
+    # the pluggable path.
+    assert r["pool"].startswith("gpumem has no private memory pools"), r["pool"]
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")

@@ -26,11 +26,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
+#include <utility>
 
 extern "C" {
 // Defined in Rust (src/torch_abi.rs). May throw what gpumem_shim_throw throws.
@@ -269,6 +271,46 @@ int gpumem_shim_call_alloc(size_t size, int device, void* stream, void** out, ch
     copy_out("(the exception could not be described)", msg_buf, msg_len);
     return 2;
   }
+}
+
+}  // extern "C"
+
+// CUDA graph capture and torch.cuda.MemPool ask the allocator to serve some streams from a
+// private pool (c10's beginAllocateToPool), so that the memory a graph uses is never handed to
+// another tensor while the graph may replay. gpumem has no such pools, and serving a capture
+// from its common cache would let eager tensors take a graph's memory after capture, which the
+// graph would then overwrite on replay. So the request fails, before the capture begins
+// (PyTorch calls this before cudaStreamBeginCapture), with a message that says so.
+//
+// The signature is PyTorch's (CUDAPluggableAllocator::set_begin_allocate_to_pool), spelled
+// without its headers: c10::cuda::MempoolId_t is std::pair<unsigned long long, unsigned long
+// long> and cudaStream_t is CUstream_st*. The native allocator (csrc/torch_allocator.cpp) calls
+// it too, so both paths refuse with the same words.
+struct CUstream_st;
+
+namespace {
+
+void begin_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool,
+                            std::function<bool(CUstream_st*)> filter) {
+  (void)filter;
+  throw gpumem::Error(
+      "gpumem has no private memory pools, which CUDA graph capture (torch.cuda.graph, "
+      "make_graphed_callables, torch.compile(mode=\"reduce-overhead\")) and torch.cuda.MemPool "
+      "need (device " + std::to_string(device) + ", pool (" + std::to_string(pool.first) + ", " +
+      std::to_string(pool.second) + ")): gpumem would hand a captured graph's memory to other "
+      "tensors, which the graph would overwrite when it replays. Capture graphs with PyTorch's "
+      "own allocator, in a process that does not call gpumem.torch.install()");
+}
+
+}  // namespace
+
+extern "C" {
+
+// The address of the hook above, for PyTorch's set_begin_allocate_to_pool and the native
+// allocator (Rust passes it on: a C++ symbol of a static library is not exported by the
+// wheel's shared library).
+const void* gpumem_shim_begin_allocate_to_pool_address(void) noexcept {
+  return reinterpret_cast<const void*>(&begin_allocate_to_pool);
 }
 
 }  // extern "C"

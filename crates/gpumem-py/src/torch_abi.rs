@@ -15,6 +15,7 @@
 //! | [`gpumem_torch_reset_accumulated_stats`] | the native allocator's `resetAccumulatedStats` | `int (int device)` |
 //! | [`gpumem_torch_alloc_reporting`] | the native allocator's `allocate` under the memory profiler | `void* (size_t size, int device, cudaStream_t stream, int64_t usage[3])` |
 //! | [`gpumem_torch_free_reporting`] | its deleters under the memory profiler | `void (void* ptr, int device, int64_t usage[4])` |
+//! | [`gpumem_torch_begin_allocate_to_pool_address`] | the address of `set_begin_allocate_to_pool`'s hook and of the native allocator's `beginAllocateToPool` (both refuse) | `size_t ()` |
 //!
 //! No Rust panic crosses these functions: each runs inside `catch_unwind`. The allocation
 //! function is the only one that fails visibly: PyTorch never checks the pointer it returns,
@@ -44,6 +45,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn gpumem_shim_oom_is_c10() -> c_int;
+    fn gpumem_shim_begin_allocate_to_pool_address() -> *const c_void;
     fn gpumem_shim_call_alloc(
         size: usize,
         device: c_int,
@@ -368,6 +370,18 @@ pub unsafe extern "C" fn gpumem_torch_free_reporting(
     unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 4) };
 }
 
+/// The address of the shim's `begin_allocate_to_pool` hook (`shim/torch_shim.cpp`), which
+/// refuses CUDA graph capture and `torch.cuda.MemPool` with a message that says why (gpumem has
+/// no private pools): for `CUDAPluggableAllocator.set_begin_allocate_to_pool` and the native
+/// allocator's `beginAllocateToPool`. Its signature is C++'s (`void(int,
+/// c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)`), so it is handed over as an
+/// address and only ever called from C++.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_begin_allocate_to_pool_address() -> usize {
+    // SAFETY: returns the address of a function defined in the shim; no arguments, no state.
+    unsafe { gpumem_shim_begin_allocate_to_pool_address() as usize }
+}
+
 /// Makes out-of-memory failures `c10::OutOfMemoryError`s (so that Python sees
 /// `torch.cuda.OutOfMemoryError`), given the paths of the loaded `libc10.so` and
 /// `libc10_cuda.so`. On error nothing changes and the reason is returned.
@@ -609,6 +623,8 @@ mod tests {
         assert_eq!(count(&global().counters.double_frees), 2);
         assert_eq!(gpumem_torch_reset_peak_stats(0), 0);
         assert_eq!(global().memory_stats(0).allocated_bytes.all.peak, 0);
+        // The private-pool refusal is C++ (called only from C++; the Python tests call it).
+        assert_ne!(gpumem_torch_begin_allocate_to_pool_address(), 0);
         assert!(!oom_is_c10());
         assert!(bind_c10("/nonexistent/libc10.so", "/nonexistent/libc10_cuda.so").is_err());
     }

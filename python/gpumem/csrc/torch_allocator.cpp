@@ -19,7 +19,8 @@
 // pluggable allocator raises there), c10's statistics (getDeviceStats, resetPeakStats,
 // resetAccumulatedStats, so torch._C's own functions read gpumem's figures) and tells
 // PyTorch's memory profiler of each allocation and free (torch.profiler with
-// profile_memory=True), as PyTorch's own allocator does. Snapshots and history are gpumem's own
+// profile_memory=True), as PyTorch's own allocator does. CUDA graph capture and MemPools, which
+// need private pools gpumem does not have, are refused with a clear error on both paths. Snapshots and history are gpumem's own
 // Python functions (install() points torch.cuda's at them); the rest raises a clear error.
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -54,6 +55,9 @@ using DeviceStatsFn = size_t (*)(int device, int64_t* out, size_t len);
 using ResetStatsFn = int (*)(int device);
 using AllocReportingFn = void* (*)(size_t size, int device, cudaStream_t stream, int64_t* usage);
 using FreeReportingFn = void (*)(void* ptr, int device, int64_t* usage);
+// The shim's refusal of private pools (crates/gpumem-py/shim/torch_shim.cpp): it throws.
+using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
+                                       std::function<bool(cudaStream_t)> filter);
 
 // The number of values DeviceStatsFn writes, in c10's DeviceStats order (torch_abi.rs,
 // DEVICE_STATS_LEN): nine StatArrays of three pools of four values, then five counters.
@@ -73,6 +77,7 @@ struct Hooks {
   ResetStatsFn reset_accumulated_stats = nullptr;
   AllocReportingFn alloc_reporting = nullptr;
   FreeReportingFn free_reporting = nullptr;
+  BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
 };
 
 // Written once by gpumem_native_install before the allocator is published to PyTorch (an
@@ -248,10 +253,13 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   }
   // As the pluggable allocator: a block is its own base allocation.
   void* getBaseAllocation(void* ptr, size_t* /*size*/) override { return ptr; }
-  // CUDA graph pools: allocations during capture come from gpumem's pool as any other (as
-  // under the pluggable allocator, which gpumem gives no pool hooks).
-  void beginAllocateToPool(c10::DeviceIndex, c10::MempoolId_t,
-                           std::function<bool(cudaStream_t)>) override {}
+  // CUDA graph capture and torch.cuda.MemPool: gpumem has no private pools, so the request
+  // throws (before the capture begins), saying why; the pluggable path refuses through the
+  // same hook. The other two are only ever called after a begin that succeeded.
+  void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool,
+                           std::function<bool(cudaStream_t)> filter) override {
+    hooks.begin_allocate_to_pool(device, pool, std::move(filter));
+  }
   void endAllocateToPool(c10::DeviceIndex, c10::MempoolId_t) override {}
   void releasePool(c10::DeviceIndex, c10::MempoolId_t) override {}
   std::string name() override { return "gpumem"; }
@@ -343,10 +351,11 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
                                      uintptr_t device_stats, uintptr_t reset_peak_stats,
                                      uintptr_t reset_accumulated_stats,
                                      uintptr_t alloc_reporting, uintptr_t free_reporting,
-                                     char* err, int err_len) {
+                                     uintptr_t begin_allocate_to_pool, char* err,
+                                     int err_len) {
   if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
       !cache_info || !device_stats || !reset_peak_stats || !reset_accumulated_stats ||
-      !alloc_reporting || !free_reporting) {
+      !alloc_reporting || !free_reporting || !begin_allocate_to_pool) {
     report(err, err_len, "a gpumem hook address is null");
     return 1;
   }
@@ -363,6 +372,7 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     hooks.reset_accumulated_stats = reinterpret_cast<ResetStatsFn>(reset_accumulated_stats);
     hooks.alloc_reporting = reinterpret_cast<AllocReportingFn>(alloc_reporting);
     hooks.free_reporting = reinterpret_cast<FreeReportingFn>(free_reporting);
+    hooks.begin_allocate_to_pool = reinterpret_cast<BeginAllocateToPoolFn>(begin_allocate_to_pool);
     // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
     // PyTorch's own allocator has not been initialized.
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
