@@ -101,6 +101,7 @@ _NATIVE_HOOKS = (
     "gpumem_torch_reset_accumulated_stats",
     "gpumem_torch_alloc_reporting",
     "gpumem_torch_free_reporting",
+    "gpumem_torch_limit_and_free",
 )
 _NATIVE_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_allocator.cpp"
@@ -181,8 +182,9 @@ def install(
             mutex, which costs about as much per call as PyTorch's own allocator; the native
             one calls gpumem and nothing else. It also answers what the pluggable one cannot:
             ``cacheInfo`` (cuDNN's benchmark mode), c10's statistics (``torch._C`` reads
-            gpumem's), and the memory profiler (``torch.profiler`` with
-            ``profile_memory=True`` sees every allocation and free). ``None`` reads
+            gpumem's), the memory profiler (``torch.profiler`` with
+            ``profile_memory=True`` sees every allocation and free) and out-of-memory
+            observers (``torch._C._cuda_attach_out_of_memory_observer``). ``None`` reads
             ``GPUMEM_TORCH_NATIVE`` (``1`` or ``0``; unset: the pluggable allocator).
 
     Raises:

@@ -357,6 +357,43 @@ def test_ranges_per_stream_never_hand_a_block_to_another_stream():
     assert r["y_intact"], r
 
 
+def test_out_of_memory_observers_are_called_before_the_error(install_path):
+    # torch.cuda.memory's recipe for a snapshot when memory runs out: an observer attached with
+    # torch._C._cuda_attach_out_of_memory_observer is called before the error, with the
+    # device, the request, the limit (here the cap) and the device's free bytes. The native
+    # allocator calls it; PyTorch's pluggable allocator cannot attach one (reported as a skip).
+    r = run_python(
+        PRELUDE
+        + """
+torch.cuda.set_per_process_memory_fraction(0.05)
+seen = []
+try:
+    torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(list(a)))
+    attach_error = None
+except RuntimeError as e:
+    attach_error = str(e)[:200]
+total = torch.cuda.get_device_properties(0).total_memory
+try:
+    x = torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+    raised = False
+except torch.cuda.OutOfMemoryError:
+    raised = True
+print(json.dumps({"attach_error": attach_error, "seen": seen, "raised": raised, "total": total,
+                  "errors": gpumem.torch.error_counts()}))
+"""
+    )
+    if install_path == "pluggable" and r["attach_error"] is not None:
+        pytest.skip(f"PyTorch's pluggable allocator cannot attach an observer: {r['attach_error']}")
+    assert r["attach_error"] is None and r["raised"], r
+    assert len(r["seen"]) == 1, r["seen"]
+    device, asked, limit, free = r["seen"][0]
+    total = r["total"]
+    assert device == 0 and asked == int(total * 0.1)
+    assert abs(limit - 0.05 * total) <= 2 << 20, (limit, total)
+    assert 0 < free <= total
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
 def test_out_of_memory_is_torch_out_of_memory_error_and_the_process_survives():
     r = run_python(
         PRELUDE

@@ -254,7 +254,20 @@ with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
 events = [e.device_memory_usage for e in prof.events() if e.name == "[memory]"]
 # Outside the profiler nothing is reported (and nothing is recorded).
 tensor(4096, 1)
+
+# torch.cuda.memory's recipe for a snapshot when memory runs out: the observer is called
+# before the error reaches PyTorch, with the request, the limit and the free bytes.
+# (torch._C._cuda_attach_out_of_memory_observer initializes CUDA first, so a test entry
+# attaches the observer through c10 as that binding does; the GPU tests call the binding.)
+seen = []
+Observer = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+observer = Observer(lambda *a: seen.append(list(a)))
+assert nat.gpumem_native_test_attach_oom_observer(observer) == 0
+out = ctypes.c_void_p()
+oom_rc = f(2 << 30, 0, 1, ctypes.byref(out), err, len(err))
+oom_text = err.value.decode()
 print(json.dumps({
+    "oom": [oom_rc, oom_text[:60], seen],
     "same": same, "c10": c10, "peak_reset": peak_reset,
     "accumulated_reset": accumulated_reset, "bad_device": bad_device, "events": events,
     "errors": gpumem.torch.error_counts(),
@@ -281,4 +294,12 @@ print(json.dumps({
     # Each allocation and free, with its bytes as handed out (2048 is already a multiple of
     # 512); the raw delete found its block by the pointer alone.
     assert r["events"] == [5 << 20, 2048, -2048, -(5 << 20)]
+    rc, text, seen = r["oom"]
+    assert rc == 1 and text.startswith("CUDA out of memory."), text
+    # One call: device 0, the 2 GiB asked for, the 1 GiB device's limit and its free bytes
+    # (3 MiB live, the rest of what gpumem holds cached).
+    assert len(seen) == 1, seen
+    device, asked, limit, free = seen[0]
+    assert (device, asked, limit) == (0, 2 << 30, 1 << 30)
+    assert (1 << 30) - (64 << 20) <= free <= (1 << 30) - (3 << 20), free
     assert all(v == 0 for v in r["errors"].values()), r["errors"]

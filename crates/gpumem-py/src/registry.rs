@@ -811,6 +811,12 @@ impl Registry {
             .unwrap_or_default()
     }
 
+    /// `device`'s limit (cap or total bytes) and free bytes, as PyTorch's out-of-memory
+    /// observers are told them (`None` where gpumem never allocated).
+    pub fn limit_and_free(&self, device: usize) -> Option<(u64, u64)> {
+        self.get(device).map(|s| s.alloc.limit_and_free())
+    }
+
     /// Zeroes `device`'s accumulated totals and counters
     /// (`torch.cuda.reset_accumulated_memory_stats`); nothing to do where gpumem never
     /// allocated.

@@ -15,6 +15,7 @@
 //! | [`gpumem_torch_reset_accumulated_stats`] | the native allocator's `resetAccumulatedStats` | `int (int device)` |
 //! | [`gpumem_torch_alloc_reporting`] | the native allocator's `allocate` under the memory profiler | `void* (size_t size, int device, cudaStream_t stream, int64_t usage[3])` |
 //! | [`gpumem_torch_free_reporting`] | its deleters under the memory profiler | `void (void* ptr, int device, int64_t usage[4])` |
+//! | [`gpumem_torch_limit_and_free`] | the native allocator's out-of-memory observers | `int (int device, uint64_t out[2])` |
 //! | [`gpumem_torch_begin_allocate_to_pool_address`] | the address of `set_begin_allocate_to_pool`'s hook and of the native allocator's `beginAllocateToPool` (both refuse) | `size_t ()` |
 //!
 //! No Rust panic crosses these functions: each runs inside `catch_unwind`. The allocation
@@ -370,6 +371,26 @@ pub unsafe extern "C" fn gpumem_torch_free_reporting(
     unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 4) };
 }
 
+/// What the native allocator tells PyTorch's out-of-memory observers
+/// (`torch._C._cuda_attach_out_of_memory_observer`) of `device` after a failed allocation:
+/// writes the most gpumem may hold there (its cap, or the device's total bytes) and the
+/// device's free bytes to `out`. Returns 0, or 1 (nothing written) for a device index that
+/// cannot be one or where gpumem never allocated.
+///
+/// # Safety
+/// `out` must be valid for writes of two `uint64_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_torch_limit_and_free(device: c_int, out: *mut u64) -> c_int {
+    let figures = known_device(device)
+        .and_then(|d| catch_unwind(|| global().limit_and_free(d)).ok().flatten());
+    let Some((limit, free)) = figures else {
+        return 1;
+    };
+    // SAFETY: the caller guarantees `out` is valid for two writes.
+    unsafe { std::ptr::copy_nonoverlapping([limit, free].as_ptr(), out, 2) };
+    0
+}
+
 /// The address of the shim's `begin_allocate_to_pool` hook (`shim/torch_shim.cpp`), which
 /// refuses CUDA graph capture and `torch.cuda.MemPool` with a message that says why (gpumem has
 /// no private pools): for `CUDAPluggableAllocator.set_begin_allocate_to_pool` and the native
@@ -623,6 +644,22 @@ mod tests {
         assert_eq!(count(&global().counters.double_frees), 2);
         assert_eq!(gpumem_torch_reset_peak_stats(0), 0);
         assert_eq!(global().memory_stats(0).allocated_bytes.all.peak, 0);
+        // What out-of-memory observers are told: the cap set above (half of 256 MiB) and the
+        // simulated device's free bytes (all but what gpumem holds).
+        let mut limit_free = [0u64; 2];
+        // SAFETY: `limit_free` holds two values.
+        assert_eq!(
+            unsafe { gpumem_torch_limit_and_free(0, limit_free.as_mut_ptr()) },
+            0
+        );
+        let held = global().memory_stats(0).reserved_bytes.all.current as u64;
+        assert!(held > 0);
+        assert_eq!(limit_free, [128 * MIB, 256 * MIB - held]);
+        // SAFETY: as above; nothing is written for a device that cannot be one.
+        assert_eq!(
+            unsafe { gpumem_torch_limit_and_free(-2, limit_free.as_mut_ptr()) },
+            1
+        );
         // The private-pool refusal is C++ (called only from C++; the Python tests call it).
         assert_ne!(gpumem_torch_begin_allocate_to_pool_address(), 0);
         assert!(!oom_is_c10());

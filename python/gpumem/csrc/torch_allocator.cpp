@@ -19,7 +19,8 @@
 // pluggable allocator raises there), c10's statistics (getDeviceStats, resetPeakStats,
 // resetAccumulatedStats, so torch._C's own functions read gpumem's figures) and tells
 // PyTorch's memory profiler of each allocation and free (torch.profiler with
-// profile_memory=True), as PyTorch's own allocator does. CUDA graph capture and MemPools, which
+// profile_memory=True), as PyTorch's own allocator does, and calls the out-of-memory observers
+// (torch._C._cuda_attach_out_of_memory_observer). CUDA graph capture and MemPools, which
 // need private pools gpumem does not have, are refused with a clear error on both paths. Snapshots and history are gpumem's own
 // Python functions (install() points torch.cuda's at them); the rest raises a clear error.
 #include <c10/core/Allocator.h>
@@ -36,8 +37,10 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -55,6 +58,7 @@ using DeviceStatsFn = size_t (*)(int device, int64_t* out, size_t len);
 using ResetStatsFn = int (*)(int device);
 using AllocReportingFn = void* (*)(size_t size, int device, cudaStream_t stream, int64_t* usage);
 using FreeReportingFn = void (*)(void* ptr, int device, int64_t* usage);
+using LimitAndFreeFn = int (*)(int device, uint64_t* out);
 // The shim's refusal of private pools (crates/gpumem-py/shim/torch_shim.cpp): it throws.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
@@ -77,6 +81,7 @@ struct Hooks {
   ResetStatsFn reset_accumulated_stats = nullptr;
   AllocReportingFn alloc_reporting = nullptr;
   FreeReportingFn free_reporting = nullptr;
+  LimitAndFreeFn limit_and_free = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
 };
 
@@ -132,16 +137,43 @@ void free_anywhere(void* ptr) {
   hooks.free_any(ptr);
 }
 
-// An allocation of `n` bytes on `device` for `stream`, told to the memory profiler when it is
-// on. Throws on failure; null for 0 bytes.
-void* allocate_on(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
-  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-    int64_t usage[3] = {0, 0, 0};  // bytes, allocated, reserved
-    void* ptr = hooks.alloc_reporting(n, device, stream, usage);
-    if (ptr) report_to_profiler(ptr, usage, device);
-    return ptr;
+// torch._C._cuda_attach_out_of_memory_observer's callbacks (torch.cuda.memory's "dump a
+// snapshot when memory runs out" recipe), called before an out-of-memory error reaches
+// PyTorch, as PyTorch's own allocator does.
+std::mutex oom_observers_mutex;
+std::vector<cca::OutOfMemoryObserver> oom_observers;
+
+void tell_oom_observers(c10::DeviceIndex device, size_t n) {
+  std::vector<cca::OutOfMemoryObserver> observers;
+  {
+    std::lock_guard<std::mutex> lock(oom_observers_mutex);
+    observers = oom_observers;
   }
-  return hooks.alloc(n, device, stream);
+  if (observers.empty()) return;
+  uint64_t limit_free[2] = {0, 0};  // the most gpumem may hold there, the device's free bytes
+  (void)hooks.limit_and_free(device, limit_free);
+  for (const auto& observer : observers) {
+    observer(device, n, static_cast<size_t>(limit_free[0]), static_cast<size_t>(limit_free[1]));
+  }
+}
+
+// An allocation of `n` bytes on `device` for `stream`, told to the memory profiler when it is
+// on. Throws on failure (after telling the out-of-memory observers, if it ran out); null for
+// 0 bytes.
+void* allocate_on(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+  try {
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      int64_t usage[3] = {0, 0, 0};  // bytes, allocated, reserved
+      void* ptr = hooks.alloc_reporting(n, device, stream, usage);
+      if (ptr) report_to_profiler(ptr, usage, device);
+      return ptr;
+    }
+    return hooks.alloc(n, device, stream);
+  } catch (const c10::OutOfMemoryError&) {
+    // gpumem's out-of-memory errors are c10's once install() bound them (it warns if not).
+    tell_oom_observers(device, n);
+    throw;
+  }
 }
 
 // c10's DeviceStats from gpumem's figures (the order of kDeviceStatsLen).
@@ -316,8 +348,9 @@ class GpumemAllocator final : public cca::CUDAAllocator {
                      const std::vector<std::string>&) override {
     use_python("recordHistory");
   }
-  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver) override {
-    unsupported("attachOutOfMemoryObserver");
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(oom_observers_mutex);
+    oom_observers.push_back(std::move(observer));
   }
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
     unsupported("attachAllocatorTraceTracker");
@@ -351,11 +384,11 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
                                      uintptr_t device_stats, uintptr_t reset_peak_stats,
                                      uintptr_t reset_accumulated_stats,
                                      uintptr_t alloc_reporting, uintptr_t free_reporting,
-                                     uintptr_t begin_allocate_to_pool, char* err,
-                                     int err_len) {
+                                     uintptr_t limit_and_free, uintptr_t begin_allocate_to_pool,
+                                     char* err, int err_len) {
   if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
       !cache_info || !device_stats || !reset_peak_stats || !reset_accumulated_stats ||
-      !alloc_reporting || !free_reporting || !begin_allocate_to_pool) {
+      !alloc_reporting || !free_reporting || !limit_and_free || !begin_allocate_to_pool) {
     report(err, err_len, "a gpumem hook address is null");
     return 1;
   }
@@ -372,6 +405,7 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     hooks.reset_accumulated_stats = reinterpret_cast<ResetStatsFn>(reset_accumulated_stats);
     hooks.alloc_reporting = reinterpret_cast<AllocReportingFn>(alloc_reporting);
     hooks.free_reporting = reinterpret_cast<FreeReportingFn>(free_reporting);
+    hooks.limit_and_free = reinterpret_cast<LimitAndFreeFn>(limit_and_free);
     hooks.begin_allocate_to_pool = reinterpret_cast<BeginAllocateToPoolFn>(begin_allocate_to_pool);
     // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
     // PyTorch's own allocator has not been initialized.
@@ -416,4 +450,17 @@ extern "C" int gpumem_native_test_allocate(size_t n, int device, int release, vo
     report(err, err_len, e.what());
   }
   return 1;
+}
+
+// For the tests, where torch._C._cuda_attach_out_of_memory_observer cannot run (it initializes
+// CUDA first): attaches `observer` through c10's attachOutOfMemoryObserver, as that binding
+// does. Returns 0, or 1 if it threw.
+extern "C" int gpumem_native_test_attach_oom_observer(void (*observer)(int64_t, size_t, size_t,
+                                                                       size_t)) {
+  try {
+    cca::attachOutOfMemoryObserver(observer);
+    return 0;
+  } catch (...) {
+    return 1;
+  }
 }

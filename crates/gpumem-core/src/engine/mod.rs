@@ -707,6 +707,15 @@ impl Allocator {
             .unwrap_or(fresh)
     }
 
+    /// The most this allocator may hold (its cap, or the device's total bytes without one)
+    /// and the device's free bytes now: what PyTorch tells its out-of-memory observers.
+    pub fn limit_and_free(&self) -> (u64, u64) {
+        let total = self.device_info().total_bytes;
+        let mut d = self.device.lock();
+        let (free, _) = d.mem_get_info().unwrap_or((0, total));
+        (d.cap().unwrap_or(total), free)
+    }
+
     /// Statistics under PyTorch's names. Block statistics are summed over streams (peaks too:
     /// with several streams allocating, the peak shown is an upper bound); physical memory
     /// statistics are exact.
