@@ -102,6 +102,7 @@ _NATIVE_HOOKS = (
     "gpumem_torch_alloc_reporting",
     "gpumem_torch_free_reporting",
     "gpumem_torch_limit_and_free",
+    "gpumem_torch_memory_fraction",
 )
 _NATIVE_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_allocator.cpp"

@@ -246,6 +246,10 @@ try:
     bad_device = None
 except RuntimeError as e:
     bad_device = str(e)
+# torch._C's own getter of the fraction (not the patched Python one).
+gpumem.torch.set_memory_fraction(0.4, 0)
+fraction = torch._C._cuda_getMemoryFraction(0)
+gpumem.torch.set_memory_fraction(1.0, 0)
 
 with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
     p = tensor(5 << 20, 0)
@@ -268,7 +272,7 @@ oom_rc = f(2 << 30, 0, 1, ctypes.byref(out), err, len(err))
 oom_text = err.value.decode()
 print(json.dumps({
     "oom": [oom_rc, oom_text[:60], seen],
-    "same": same, "c10": c10, "peak_reset": peak_reset,
+    "same": same, "c10": c10, "fraction": fraction, "peak_reset": peak_reset,
     "accumulated_reset": accumulated_reset, "bad_device": bad_device, "events": events,
     "errors": gpumem.torch.error_counts(),
 }))
@@ -291,6 +295,7 @@ print(json.dumps({
     assert acc["allocated_bytes.all.freed"] == 0 and acc["num_device_alloc"] == 0
     assert acc["allocated_bytes.all.current"] == 3 << 20, "current values stay"
     assert "invalid CUDA device index 70" in r["bad_device"]
+    assert r["fraction"] == 0.4, "the cap as it was given"
     # Each allocation and free, with its bytes as handed out (2048 is already a multiple of
     # 512); the raw delete found its block by the pointer alone.
     assert r["events"] == [5 << 20, 2048, -2048, -(5 << 20)]

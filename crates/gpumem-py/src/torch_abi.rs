@@ -15,6 +15,7 @@
 //! | [`gpumem_torch_reset_accumulated_stats`] | the native allocator's `resetAccumulatedStats` | `int (int device)` |
 //! | [`gpumem_torch_alloc_reporting`] | the native allocator's `allocate` under the memory profiler | `void* (size_t size, int device, cudaStream_t stream, int64_t usage[3])` |
 //! | [`gpumem_torch_free_reporting`] | its deleters under the memory profiler | `void (void* ptr, int device, int64_t usage[4])` |
+//! | [`gpumem_torch_memory_fraction`] | the native allocator's `getMemoryFraction` | `double (int device)` |
 //! | [`gpumem_torch_limit_and_free`] | the native allocator's out-of-memory observers | `int (int device, uint64_t out[2])` |
 //! | [`gpumem_torch_begin_allocate_to_pool_address`] | the address of `set_begin_allocate_to_pool`'s hook and of the native allocator's `beginAllocateToPool` (both refuse) | `size_t ()` |
 //!
@@ -371,6 +372,26 @@ pub unsafe extern "C" fn gpumem_torch_free_reporting(
     unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 4) };
 }
 
+/// c10's `getMemoryFraction` (`torch.cuda.get_per_process_memory_fraction`): `device`'s cap as
+/// the fraction it was given as, 1 without one. Returns -1 for a device index that cannot be
+/// one or an allocator that cannot be made there, reported once.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_memory_fraction(device: c_int) -> f64 {
+    match catch_unwind(|| global().memory_fraction(device)) {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => {
+            warn(format_args!("{}", e.message()));
+            -1.0
+        }
+        Err(_) => {
+            warn(format_args!(
+                "gpumem: internal error (a panic) in memory_fraction; please report it"
+            ));
+            -1.0
+        }
+    }
+}
+
 /// What the native allocator tells PyTorch's out-of-memory observers
 /// (`torch._C._cuda_attach_out_of_memory_observer`) of `device` after a failed allocation:
 /// writes the most gpumem may hold there (its cap, or the device's total bytes) and the
@@ -655,6 +676,12 @@ mod tests {
         let held = global().memory_stats(0).reserved_bytes.all.current as u64;
         assert!(held > 0);
         assert_eq!(limit_free, [128 * MIB, 256 * MIB - held]);
+        assert_eq!(
+            gpumem_torch_memory_fraction(0),
+            0.5,
+            "the cap as it was given"
+        );
+        assert_eq!(gpumem_torch_memory_fraction(64), -1.0);
         // SAFETY: as above; nothing is written for a device that cannot be one.
         assert_eq!(
             unsafe { gpumem_torch_limit_and_free(-2, limit_free.as_mut_ptr()) },

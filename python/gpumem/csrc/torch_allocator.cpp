@@ -59,6 +59,7 @@ using ResetStatsFn = int (*)(int device);
 using AllocReportingFn = void* (*)(size_t size, int device, cudaStream_t stream, int64_t* usage);
 using FreeReportingFn = void (*)(void* ptr, int device, int64_t* usage);
 using LimitAndFreeFn = int (*)(int device, uint64_t* out);
+using MemoryFractionFn = double (*)(int device);
 // The shim's refusal of private pools (crates/gpumem-py/shim/torch_shim.cpp): it throws.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
@@ -82,6 +83,7 @@ struct Hooks {
   AllocReportingFn alloc_reporting = nullptr;
   FreeReportingFn free_reporting = nullptr;
   LimitAndFreeFn limit_and_free = nullptr;
+  MemoryFractionFn memory_fraction = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
 };
 
@@ -216,9 +218,8 @@ void reset_stats(ResetStatsFn fn, c10::DeviceIndex device) {
 // For what gpumem answers through its own Python functions instead.
 [[noreturn]] void use_python(const char* what) {
   TORCH_CHECK(false, "gpumem's allocator does not answer ", what,
-              " in C++; gpumem.torch provides memory_stats(), memory_fraction(), "
-              "memory_summary(), snapshot() and record_memory_history(), and install() points "
-              "torch.cuda's functions at them");
+              " in C++; gpumem.torch provides snapshot(), memory_snapshot() and "
+              "record_memory_history(), and install() points torch.cuda's functions at them");
 }
 
 c10::DeviceIndex current_device() {
@@ -272,6 +273,12 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   void emptyCache(c10::MempoolId_t /*mempool_id*/) override { hooks.empty_cache(); }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     hooks.set_fraction(fraction, device);
+  }
+  // The cap as the fraction it was given as (1 without one).
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    const double fraction = hooks.memory_fraction(device);
+    TORCH_CHECK(fraction > 0, "gpumem: invalid CUDA device index ", static_cast<int>(device));
+    return fraction;
   }
   // Only remembered: gpumem has no switch to turn allocation off.
   void enable(bool value) override { enabled_.store(value, std::memory_order_relaxed); }
@@ -335,7 +342,6 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   // --- what PyTorch's pluggable allocator does not support either (snapshots and history
   // through gpumem's Python functions) ---------------------------------------------------------
 
-  double getMemoryFraction(c10::DeviceIndex) override { use_python("getMemoryFraction"); }
   std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex) override {
     unsupported("getExpandableSegmentSizes");
   }
@@ -384,11 +390,13 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
                                      uintptr_t device_stats, uintptr_t reset_peak_stats,
                                      uintptr_t reset_accumulated_stats,
                                      uintptr_t alloc_reporting, uintptr_t free_reporting,
-                                     uintptr_t limit_and_free, uintptr_t begin_allocate_to_pool,
-                                     char* err, int err_len) {
+                                     uintptr_t limit_and_free, uintptr_t memory_fraction,
+                                     uintptr_t begin_allocate_to_pool, char* err,
+                                     int err_len) {
   if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
       !cache_info || !device_stats || !reset_peak_stats || !reset_accumulated_stats ||
-      !alloc_reporting || !free_reporting || !limit_and_free || !begin_allocate_to_pool) {
+      !alloc_reporting || !free_reporting || !limit_and_free || !memory_fraction ||
+      !begin_allocate_to_pool) {
     report(err, err_len, "a gpumem hook address is null");
     return 1;
   }
@@ -406,6 +414,7 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     hooks.alloc_reporting = reinterpret_cast<AllocReportingFn>(alloc_reporting);
     hooks.free_reporting = reinterpret_cast<FreeReportingFn>(free_reporting);
     hooks.limit_and_free = reinterpret_cast<LimitAndFreeFn>(limit_and_free);
+    hooks.memory_fraction = reinterpret_cast<MemoryFractionFn>(memory_fraction);
     hooks.begin_allocate_to_pool = reinterpret_cast<BeginAllocateToPoolFn>(begin_allocate_to_pool);
     // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
     // PyTorch's own allocator has not been initialized.
