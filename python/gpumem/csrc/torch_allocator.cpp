@@ -15,14 +15,17 @@
 // which pass through this file unchanged.
 //
 // Beyond what the pluggable allocator offers (allocation, frees, record_stream, empty_cache,
-// the memory fraction), this class answers cacheInfo (which cuDNN's benchmark mode calls; the
-// pluggable allocator raises there), c10's statistics (getDeviceStats, resetPeakStats,
-// resetAccumulatedStats, so torch._C's own functions read gpumem's figures) and tells
-// PyTorch's memory profiler of each allocation and free (torch.profiler with
-// profile_memory=True), as PyTorch's own allocator does, and calls the out-of-memory observers
-// (torch._C._cuda_attach_out_of_memory_observer). CUDA graph capture and MemPools, which
-// need private pools gpumem does not have, are refused with a clear error on both paths. Snapshots and history are gpumem's own
-// Python functions (install() points torch.cuda's at them); the rest raises a clear error.
+// setting the memory fraction), this class does what PyTorch's own allocator does and the
+// pluggable one cannot:
+// - answers cacheInfo, which cuDNN's benchmark mode calls;
+// - answers c10's statistics and the memory fraction (getDeviceStats, resetPeakStats,
+//   resetAccumulatedStats, getMemoryFraction), so torch._C's own functions read gpumem's;
+// - tells PyTorch's memory profiler of each allocation and free (torch.profiler with
+//   profile_memory=True);
+// - calls the out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer).
+// CUDA graph capture and MemPools need private pools, which gpumem does not have: both paths
+// refuse them with a clear error. Snapshots and history are gpumem's own Python functions
+// (install() points torch.cuda's at them); the rest raises a clear error.
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -185,9 +188,9 @@ c10::CachingDeviceAllocator::DeviceStats device_stats(c10::DeviceIndex device) {
               "gpumem: invalid CUDA device index ", static_cast<int>(device));
   c10::CachingDeviceAllocator::DeviceStats s;
   c10::CachingDeviceAllocator::StatArray* arrays[kStatArrays] = {
-      &s.allocation,     &s.segment,      &s.active,
-      &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
-      &s.active_bytes,   &s.inactive_split_bytes, &s.requested_bytes};
+      &s.allocation,      &s.segment,         &s.active,
+      &s.inactive_split,  &s.allocated_bytes, &s.reserved_bytes,
+      &s.active_bytes,    &s.inactive_split_bytes, &s.requested_bytes};
   size_t i = 0;
   for (auto* array : arrays) {
     for (auto& stat : *array) {  // aggregate, small pool, large pool
