@@ -89,11 +89,21 @@ pub extern "C-unwind" fn gpumem_torch_alloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let result = catch_unwind(AssertUnwindSafe(|| {
+    let ptr = served_or_thrown(size, device, || {
         global().alloc(size as u64, device, stream as u64)
-    }));
-    let err = match result {
-        Ok(Ok(ptr)) => return ptr as *mut c_void,
+    });
+    ptr as *mut c_void
+}
+
+/// What `allocate` returned, or (on an error or a panic) the C++ exception for it thrown into
+/// the caller: the one way out of gpumem's allocation hooks.
+fn served_or_thrown<T>(
+    size: usize,
+    device: c_int,
+    allocate: impl FnOnce() -> Result<T, TorchError>,
+) -> T {
+    let err = match catch_unwind(AssertUnwindSafe(allocate)) {
+        Ok(Ok(served)) => return served,
         Ok(Err(e)) => e,
         Err(_) => TorchError::Other(format!(
             "gpumem: internal error (a panic) while allocating {size} bytes on device {device}; \
@@ -313,24 +323,14 @@ pub unsafe extern "C-unwind" fn gpumem_torch_alloc_reporting(
     stream: *mut c_void,
     usage_out: *mut i64,
 ) -> *mut c_void {
-    let result = catch_unwind(AssertUnwindSafe(|| {
+    let (ptr, values) = served_or_thrown(size, device, || {
         let (ptr, bytes) = global().alloc_sized(size as u64, device, stream as u64)?;
         let (allocated, reserved) = known_device(device).map(usage).unwrap_or((0, 0));
-        Ok::<_, TorchError>((ptr, [bytes as i64, allocated, reserved]))
-    }));
-    let err = match result {
-        Ok(Ok((ptr, values))) => {
-            // SAFETY: the caller guarantees `usage_out` is valid for three writes.
-            unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 3) };
-            return ptr as *mut c_void;
-        }
-        Ok(Err(e)) => e,
-        Err(_) => TorchError::Other(format!(
-            "gpumem: internal error (a panic) while allocating {size} bytes on device {device}; \
-             please report it"
-        )),
-    };
-    throw(err)
+        Ok((ptr, [bytes as i64, allocated, reserved]))
+    });
+    // SAFETY: the caller guarantees `usage_out` is valid for three writes.
+    unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 3) };
+    ptr as *mut c_void
 }
 
 /// The native allocator's deleters and `raw_delete` while PyTorch's memory profiler is on:
