@@ -44,6 +44,8 @@ print(json.dumps({
     "oom_exception": gpumem.torch.oom_exception(),
     "backend": torch._C._cuda_getAllocatorBackend(),
     "patched": torch.cuda.memory_stats is gpumem.torch.memory_stats,
+    "patched_reset": [torch.cuda.reset_accumulated_memory_stats is gpumem.torch.reset_accumulated_memory_stats,
+                      torch.cuda.memory.reset_peak_memory_stats is gpumem.torch.reset_peak_memory_stats],
     "thrown": [kind, cpp_type, what[:200]],
     "served": ok[0],
     "keys": sorted(torch.cuda.memory_stats(0)),
@@ -56,6 +58,7 @@ print(json.dumps({
     assert r["oom_exception"] == "c10::OutOfMemoryError"
     assert r["backend"] == "pluggable"
     assert r["patched"]
+    assert r["patched_reset"] == [True, True]
     kind, cpp_type, what = r["thrown"]
     assert (kind, cpp_type) == ("threw", "c10::OutOfMemoryError")
     assert what.startswith("CUDA out of memory. gpumem on device 0")
