@@ -154,10 +154,12 @@ print(json.dumps({"events": cuda_events, "c10_allocated": c10_allocated,
         )
     events = r["events"]
     four_mib = 1024 * 1024 * 4
-    # y and z (4 MiB each) allocated and freed, and the sum's 4-byte result (512 B as a block).
+    # y and z (4 MiB each) allocated and freed; the sum's result and any buffer of its
+    # reduction come and go too.
     assert events.count(four_mib) >= 2 and events.count(-four_mib) >= 2, events
     assert sum(events) == 0, f"every allocation in the window was freed in it: {events}"
-    assert r["c10_allocated"] == r["gpumem_allocated"] == four_mib
+    # x, and cuBLAS's workspace (kept by PyTorch for the process) if it came from the allocator.
+    assert r["c10_allocated"] == r["gpumem_allocated"] >= four_mib
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
