@@ -23,3 +23,18 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet maturin pytest
 VIRTUAL_ENV="$PWD/.venv" .venv/bin/maturin develop --quiet
 .venv/bin/python -m pytest tests/python -q -rs -p no:cacheprovider
+# The PyTorch integration inside a real PyTorch process, still without a GPU: install(), both
+# install paths and the native allocator's build, against PyTorch 2.11's CUDA build from PyPI
+# (in .venv-torch, made by scripts/torch_env.sh: about 5 GB, downloaded once), served by the
+# simulated device. GPUMEM_TEST_TORCH=0 leaves it out; where PyTorch cannot be installed (no
+# network) the step says so and is skipped.
+if [[ "${GPUMEM_TEST_TORCH:-1}" == 0 ]]; then
+    echo "SKIPPED: the tests inside a real PyTorch process (GPUMEM_TEST_TORCH=0)"
+elif cuda_home=$(bash scripts/torch_env.sh .venv-torch | tail -1) && [[ -d "$cuda_home" ]]; then
+    VIRTUAL_ENV="$PWD/.venv-torch" .venv/bin/maturin develop --quiet
+    CUDA_HOME="$cuda_home" PATH="$PWD/.venv-torch/bin:$PATH" \
+        .venv-torch/bin/python -m pytest tests/python -q -rs -p no:cacheprovider
+else
+    echo "SKIPPED: the tests inside a real PyTorch process (PyTorch could not be installed;" \
+        "scripts/torch_env.sh says why above)"
+fi
