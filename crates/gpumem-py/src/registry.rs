@@ -560,7 +560,20 @@ impl Registry {
     }
 
     /// Frees for PyTorch. Never fails: misuse is counted and reported once on stderr.
+    #[inline]
     pub fn free(&self, ptr: DevPtr, device: i32, stream: Stream) -> FreeOutcome {
+        self.free_located(ptr, device, stream).0
+    }
+
+    /// [`Registry::free`], also returning the device whose pool settled the free (the one
+    /// named, or another that held the block; `None` for a null or foreign pointer).
+    #[inline]
+    pub fn free_located(
+        &self,
+        ptr: DevPtr,
+        device: i32,
+        stream: Stream,
+    ) -> (FreeOutcome, Option<usize>) {
         let t = self.clock.start();
         let r = self.free_untimed(ptr, device, stream);
         self.clock.stop(Hook::Free, t);
@@ -568,31 +581,37 @@ impl Registry {
     }
 
     #[inline]
-    fn free_untimed(&self, ptr: DevPtr, device: i32, stream: Stream) -> FreeOutcome {
+    fn free_untimed(
+        &self,
+        ptr: DevPtr,
+        device: i32,
+        stream: Stream,
+    ) -> (FreeOutcome, Option<usize>) {
         if ptr == 0 {
-            return FreeOutcome::Null;
+            return (FreeOutcome::Null, None);
         }
         let c = &self.counters;
-        let Some(slot) = usize::try_from(device).ok().and_then(|d| self.get(d)) else {
-            if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
-                return outcome;
+        let named = usize::try_from(device).ok();
+        let Some(slot) = named.and_then(|d| self.get(d)) else {
+            if let Some((outcome, d)) = self.free_on_another_device(ptr, device, stream) {
+                return (outcome, Some(d));
             }
             c.count(WARN_FOREIGN, &c.foreign_frees, || {
                 format!("free of {ptr:#x} on device {device}, where gpumem allocated nothing")
             });
-            return FreeOutcome::Foreign;
+            return (FreeOutcome::Foreign, None);
         };
         if let Some(outcome) = self.settle_free(slot.alloc.free_on_sized(ptr, stream), ptr, device)
         {
-            return outcome;
+            return (outcome, named);
         }
-        if let Some(outcome) = self.free_on_another_device(ptr, device, stream) {
-            return outcome;
+        if let Some((outcome, d)) = self.free_on_another_device(ptr, device, stream) {
+            return (outcome, Some(d));
         }
         c.count(WARN_FOREIGN, &c.foreign_frees, || {
             format!("free of {ptr:#x}, which gpumem did not allocate on device {device}")
         });
-        FreeOutcome::Foreign
+        (FreeOutcome::Foreign, None)
     }
 
     /// What a device's free of `ptr` came to, misuse counted and reported once; `None` if the
@@ -692,13 +711,13 @@ impl Registry {
 
     /// A free that named `device` for a live block of another device (PyTorch names the right
     /// one; a hand-written caller may not): freed where it lives, reported once, rather than
-    /// leaked. `None` if no other device has it live.
+    /// leaked. With the device that held it; `None` if no other device has it live.
     fn free_on_another_device(
         &self,
         ptr: DevPtr,
         device: i32,
         stream: Stream,
-    ) -> Option<FreeOutcome> {
+    ) -> Option<(FreeOutcome, usize)> {
         let c = &self.counters;
         for d in self.devices() {
             if usize::try_from(device).ok() == Some(d) {
@@ -711,7 +730,7 @@ impl Registry {
                     c.count(WARN_DOUBLE_FREE, &c.double_frees, || {
                         format!("double free of {ptr:#x} (allocated on device {d})")
                     });
-                    return Some(FreeOutcome::DoubleFree);
+                    return Some((FreeOutcome::DoubleFree, d));
                 }
                 r => {
                     c.count(WARN_WRONG_DEVICE, &c.wrong_device_frees, || {
@@ -719,10 +738,11 @@ impl Registry {
                             "free of {ptr:#x} named device {device}, but gpumem allocated it on device {d}: freed there"
                         )
                     });
-                    return Some(match r {
+                    let outcome = match r {
                         Ok(bytes) => FreeOutcome::Freed(bytes),
                         Err(_) => FreeOutcome::Failed,
-                    });
+                    };
+                    return Some((outcome, d));
                 }
             }
         }
@@ -999,6 +1019,32 @@ mod tests {
         assert_eq!(r.free(b, 0, 0), FreeOutcome::Freed(100 * MIB));
         assert_eq!(r.cache_info(-1), 0, "a bad device: nothing");
         assert_eq!(r.counters.other_errors.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_free_says_which_device_settled_it() {
+        let r = sim(2, 1 << 30, false);
+        let on1 = r.alloc(3 * MIB, 1, 0).unwrap();
+        let on0 = r.alloc(MIB, 0, 0).unwrap();
+        // Named right, named wrong (freed where it lives, and counted), then misuse.
+        assert_eq!(
+            r.free_located(on0, 0, 0),
+            (FreeOutcome::Freed(MIB), Some(0))
+        );
+        assert_eq!(
+            r.free_located(on1, 0, 0),
+            (FreeOutcome::Freed(3 * MIB), Some(1))
+        );
+        assert_eq!(r.counters.wrong_device_frees.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            r.free_located(on1, 1, 0),
+            (FreeOutcome::DoubleFree, Some(1))
+        );
+        assert_eq!(
+            r.free_located(0xdead_0000, 1, 0),
+            (FreeOutcome::Foreign, None)
+        );
+        assert_eq!(r.free_located(0, 1, 0), (FreeOutcome::Null, None));
     }
 
     #[test]

@@ -351,8 +351,7 @@ pub unsafe extern "C" fn gpumem_torch_free_reporting(
         let (outcome, found) = if device < 0 {
             global().free_any_located(ptr as u64)
         } else {
-            let outcome = global().free(ptr as u64, device, 0);
-            (outcome, known_device(device))
+            global().free_located(ptr as u64, device, 0)
         };
         match (outcome, found) {
             (crate::registry::FreeOutcome::Freed(bytes), Some(d)) => {
