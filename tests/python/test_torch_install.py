@@ -311,3 +311,53 @@ print(json.dumps({
     assert (device, asked, limit) == (0, 2 << 30, 1 << 30)
     assert (1 << 30) - (64 << 20) <= free <= (1 << 30) - (3 << 20), free
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+def test_torch_cuda_memory_functions_read_gpumem_in_a_real_torch_process():
+    # torch.cuda's own memory functions, as a program calls them, after install() on the
+    # pluggable path (the default): each reads or changes gpumem's figures.
+    r = run_python(
+        """
+import json, torch, gpumem
+from gpumem import _native
+_native.torch_use_simulated_devices(1, 1 << 30)
+torch.cuda.is_available = lambda: True
+gpumem.torch.install(conf="policy:stitched")
+p = _native.torch_alloc(3 << 20, 0, 0)
+q = _native.torch_alloc(5 << 20, 0, 0)
+_native.torch_free(q, 0, 0)
+out = {
+    "allocated": torch.cuda.memory_allocated(0),
+    "max_allocated": torch.cuda.max_memory_allocated(0),
+    "reserved": [torch.cuda.memory_reserved(0), gpumem.torch.memory_reserved(0)],
+    "nested": torch.cuda.memory_stats_as_nested_dict(0)["allocated_bytes"]["all"]["current"],
+    "summary": torch.cuda.memory_summary(0) == gpumem.torch.memory_summary(0),
+    "snapshot": sorted(torch.cuda.memory._snapshot()),
+    "segments": len(torch.cuda.memory_snapshot()),
+}
+torch.cuda.reset_peak_memory_stats(0)
+out["peak_after_reset"] = torch.cuda.max_memory_allocated(0)
+torch.cuda.reset_accumulated_memory_stats(0)
+out["allocations_after_reset"] = torch.cuda.memory_stats(0)["allocation.all.allocated"]
+# torch.cuda.empty_cache() calls this once CUDA is initialized (here it never is).
+torch._C._cuda_emptyCache()
+out["reserved_live"] = torch.cuda.memory_reserved(0)
+_native.torch_free(p, 0, 0)
+torch._C._cuda_emptyCache()
+out["reserved_empty"] = torch.cuda.memory_reserved(0)
+print(json.dumps(out))
+"""
+    )
+    assert r["allocated"] == r["nested"] == 3 << 20
+    assert r["max_allocated"] == 8 << 20
+    reserved, gpumem_reserved = r["reserved"]
+    assert reserved == gpumem_reserved >= 8 << 20
+    assert r["summary"], "torch.cuda.memory_summary is gpumem's table"
+    assert {"segments", "device_traces"} <= set(r["snapshot"])
+    assert r["segments"] >= 1
+    assert r["peak_after_reset"] == 3 << 20
+    assert r["allocations_after_reset"] == 0
+    # The freed block's pages went back; the live block's stay.
+    assert 3 << 20 <= r["reserved_live"] < reserved
+    assert r["reserved_empty"] == 0
