@@ -99,8 +99,6 @@ _NATIVE_HOOKS = (
     "gpumem_torch_device_stats",
     "gpumem_torch_reset_peak_stats",
     "gpumem_torch_reset_accumulated_stats",
-    "gpumem_torch_alloc_reporting",
-    "gpumem_torch_free_reporting",
     "gpumem_torch_limit_and_free",
     "gpumem_torch_memory_fraction",
 )
@@ -183,9 +181,8 @@ def install(
             mutex, which costs about as much per call as PyTorch's own allocator; the native
             one calls gpumem and nothing else. It also answers what the pluggable one cannot:
             ``cacheInfo`` (cuDNN's benchmark mode), c10's statistics (``torch._C`` reads
-            gpumem's), the memory profiler (``torch.profiler`` with
-            ``profile_memory=True`` sees every allocation and free) and out-of-memory
-            observers (``torch._C._cuda_attach_out_of_memory_observer``). ``None`` reads
+            gpumem's) and out-of-memory observers
+            (``torch._C._cuda_attach_out_of_memory_observer``). ``None`` reads
             ``GPUMEM_TORCH_NATIVE`` (``1`` or ``0``; unset: the pluggable allocator).
 
     Raises:

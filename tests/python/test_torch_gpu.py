@@ -116,11 +116,10 @@ print(json.dumps(out))
 
 
 def test_memory_profiler_and_c10_statistics_see_gpumem(install_path):
-    # torch.profiler with profile_memory=True is told of every CUDA allocation and free, and
-    # torch._C's own statistics (c10's getDeviceStats, which the patched Python functions
-    # bypass) read gpumem's figures. The native allocator does both; under PyTorch's pluggable
-    # allocator the profiler sees no CUDA memory and c10's statistics raise: reported as a
-    # skip with what was seen.
+    # torch.profiler with profile_memory=True is told of every CUDA allocation and free (by
+    # gpumem's hooks, on both paths), and torch._C's own statistics (c10's getDeviceStats,
+    # which the patched Python functions bypass) read gpumem's figures on the native path;
+    # under PyTorch's pluggable allocator they raise.
     r = run_python(
         PRELUDE
         + """
@@ -147,19 +146,18 @@ print(json.dumps({"events": cuda_events, "c10_allocated": c10_allocated,
                   "errors": gpumem.torch.error_counts()}))
 """
     )
-    if install_path == "pluggable" and not r["events"]:
-        pytest.skip(
-            "PyTorch's pluggable allocator tells the memory profiler nothing "
-            f"(c10's statistics: {r['c10_allocated']!r})"
-        )
     events = r["events"]
     four_mib = 1024 * 1024 * 4
     # y and z (4 MiB each) allocated and freed; the sum's result and any buffer of its
     # reduction come and go too.
     assert events.count(four_mib) >= 2 and events.count(-four_mib) >= 2, events
     assert sum(events) == 0, f"every allocation in the window was freed in it: {events}"
-    # x, and cuBLAS's workspace (kept by PyTorch for the process) if it came from the allocator.
-    assert r["c10_allocated"] == r["gpumem_allocated"] >= four_mib
+    if install_path == "pluggable":
+        assert "getDeviceStats" in str(r["c10_allocated"]), r["c10_allocated"]
+    else:
+        # x, and cuBLAS's workspace (kept by PyTorch for the process) if it came from the
+        # allocator.
+        assert r["c10_allocated"] == r["gpumem_allocated"] >= four_mib
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 

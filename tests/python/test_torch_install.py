@@ -361,3 +361,36 @@ print(json.dumps(out))
     # The freed block's pages went back; the live block's stay.
     assert 3 << 20 <= r["reserved_live"] < reserved
     assert r["reserved_empty"] == 0
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+def test_memory_profiler_sees_the_pluggable_hooks():
+    # On the default (pluggable) path too, torch.profiler with profile_memory=True is told of
+    # each block gpumem's hooks hand out and take back, with its bytes: the hooks call c10's
+    # profiler functions, which install() binds from the loaded libc10.
+    r = run_python(
+        """
+import ctypes, json, torch, gpumem
+from gpumem import _native
+from torch.profiler import profile, ProfilerActivity
+_native.torch_use_simulated_devices(1, 1 << 30)
+torch.cuda.is_available = lambda: True
+gpumem.torch.install(conf="policy:stitched")
+lib = ctypes.CDLL(_native.__file__)
+lib.gpumem_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+lib.gpumem_torch_free_any.argtypes = [ctypes.c_void_p]
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    _, p = _native.torch_call_alloc_from_cpp(3 << 20, 0, 0)     # as PyTorch calls the hook
+    _, q = _native.torch_call_alloc_from_cpp(1000, 0, 0x55)
+    lib.gpumem_torch_free(p, 3 << 20, 0, None)
+    lib.gpumem_torch_free_any(q)
+    lib.gpumem_torch_free_any(q)                                 # a double free: no event
+events = [e.device_memory_usage for e in prof.events() if e.name == "[memory]"]
+_, outside = _native.torch_call_alloc_from_cpp(4096, 0, 0)
+print(json.dumps({"events": events, "bound": _native.torch_profiler_bound(),
+                  "errors": gpumem.torch.error_counts()}))
+"""
+    )
+    assert r["bound"], "install() bound c10's profiler functions"
+    assert r["events"] == [3 << 20, 1024, -(3 << 20), -1024]
+    assert r["errors"]["double_frees"] == 1

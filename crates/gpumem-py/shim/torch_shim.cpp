@@ -99,6 +99,25 @@ struct C10Binding {
 C10Binding g_binding;
 std::atomic<bool> g_bound{false};
 
+// c10's memory-profiler entry points (c10/core/Allocator.h), bound with the rest from the
+// loaded libc10: whether the calling thread's profiler records memory (a thread-local lookup),
+// and the report of one allocation (bytes > 0) or free (bytes < 0) with the device's totals
+// after it. PyTorch's own allocator calls both on every allocation and free; gpumem's hooks do
+// the same, on both install paths. c10::Device is a DeviceType and a DeviceIndex, one signed
+// byte each, passed by value (in a register: it is trivially copyable).
+struct Device {
+  int8_t type;
+  int8_t index;
+};
+constexpr int8_t kDeviceTypeCuda = 1;  // c10::DeviceType::CUDA
+using ProfilingEnabledFn = bool (*)();
+using ReportUsageFn = void (*)(void* ptr, int64_t bytes, size_t allocated, size_t reserved,
+                               Device device);
+constexpr const char* kProfilingEnabledSymbol = "_ZN3c1022memoryProfilingEnabledEv";
+constexpr const char* kReportUsageSymbol = "_ZN3c1027reportMemoryUsageToProfilerEPvlmmNS_6DeviceE";
+std::atomic<ProfilingEnabledFn> g_profiling_enabled{nullptr};
+std::atomic<ReportUsageFn> g_report_usage{nullptr};
+
 void copy_out(const char* s, size_t size, char* buf, size_t len) noexcept {
   if (buf == nullptr || len == 0) return;
   size_t n = size < len - 1 ? size : len - 1;
@@ -178,6 +197,14 @@ int bind_c10(const char* libc10, const char* libc10_cuda, char* err, size_t err_
                  (e ? std::string(": ") + e : std::string()),
              err, err_len);
     return 1;
+  }
+  // The profiler's two functions are bound on their own: without them (renamed in a later
+  // torch) gpumem reports nothing to the profiler, and the rest still binds.
+  auto* enabled = reinterpret_cast<ProfilingEnabledFn>(dlsym(h_c10, kProfilingEnabledSymbol));
+  auto* report = reinterpret_cast<ReportUsageFn>(dlsym(h_c10, kReportUsageSymbol));
+  if (enabled != nullptr && report != nullptr) {
+    g_report_usage.store(report, std::memory_order_release);
+    g_profiling_enabled.store(enabled, std::memory_order_release);
   }
   void* h_cuda = dlopen(libc10_cuda, RTLD_NOW | RTLD_NOLOAD);
   if (h_cuda == nullptr) {
@@ -311,6 +338,41 @@ extern "C" {
 // wheel's shared library).
 const void* gpumem_shim_begin_allocate_to_pool_address(void) noexcept {
   return reinterpret_cast<const void*>(&begin_allocate_to_pool);
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// 1 when PyTorch's profiler records memory on the calling thread (torch.profiler with
+// profile_memory=True), 0 when not or when c10's functions are not bound.
+int gpumem_shim_profiler_records_memory(void) noexcept {
+  ProfilingEnabledFn enabled = g_profiling_enabled.load(std::memory_order_acquire);
+  if (enabled == nullptr) return 0;
+  try {
+    return enabled() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// Tells the profiler of an allocation (bytes > 0) or a free (bytes < 0) of the block at `ptr`
+// on CUDA device `device`, with the device's bytes allocated and reserved after it.
+void gpumem_shim_profiler_report(void* ptr, int64_t bytes, uint64_t allocated,
+                                 uint64_t reserved, int device) noexcept {
+  ReportUsageFn report = g_report_usage.load(std::memory_order_acquire);
+  if (report == nullptr) return;
+  try {
+    report(ptr, bytes, static_cast<size_t>(allocated), static_cast<size_t>(reserved),
+           Device{kDeviceTypeCuda, static_cast<int8_t>(device)});
+  } catch (...) {
+    // A report that fails loses one profiler event, never the allocation.
+  }
+}
+
+// 1 when c10's profiler functions are bound (gpumem.torch.install() binds them).
+int gpumem_shim_profiler_bound(void) noexcept {
+  return g_profiling_enabled.load(std::memory_order_acquire) != nullptr ? 1 : 0;
 }
 
 }  // extern "C"

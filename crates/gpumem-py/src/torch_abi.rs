@@ -13,11 +13,14 @@
 //! | [`gpumem_torch_device_stats`] | the native allocator's `getDeviceStats` | `size_t (int device, int64_t* out, size_t len)` |
 //! | [`gpumem_torch_reset_peak_stats`] | the native allocator's `resetPeakStats` | `int (int device)` |
 //! | [`gpumem_torch_reset_accumulated_stats`] | the native allocator's `resetAccumulatedStats` | `int (int device)` |
-//! | [`gpumem_torch_alloc_reporting`] | the native allocator's `allocate` under the memory profiler | `void* (size_t size, int device, cudaStream_t stream, int64_t usage[3])` |
-//! | [`gpumem_torch_free_reporting`] | its deleters under the memory profiler | `void (void* ptr, int device, int64_t usage[4])` |
 //! | [`gpumem_torch_memory_fraction`] | the native allocator's `getMemoryFraction` | `double (int device)` |
 //! | [`gpumem_torch_limit_and_free`] | the native allocator's out-of-memory observers | `int (int device, uint64_t out[2])` |
 //! | [`gpumem_torch_begin_allocate_to_pool_address`] | the address of `set_begin_allocate_to_pool`'s hook and of the native allocator's `beginAllocateToPool` (both refuse) | `size_t ()` |
+//!
+//! The allocation and free functions tell PyTorch's memory profiler of each block they hand out
+//! or take back while it records memory (`torch.profiler` with `profile_memory=True`), as
+//! PyTorch's own allocator does, through c10's functions bound by [`bind_c10`]: on both install
+//! paths, one check of a thread-local flag per call when it does not.
 //!
 //! No Rust panic crosses these functions: each runs inside `catch_unwind`. The allocation
 //! function is the only one that fails visibly: PyTorch never checks the pointer it returns,
@@ -26,7 +29,8 @@
 //! PyTorch. The free function runs inside PyTorch's deleters, where an exception would end the
 //! process, so it reports misuse on stderr and in counters instead.
 
-use crate::registry::{global, warn, TorchError};
+use crate::registry::{global, warn, FreeOutcome, TorchError};
+use gpumem_core::backend::DevPtr;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -48,6 +52,15 @@ extern "C" {
     ) -> c_int;
     fn gpumem_shim_oom_is_c10() -> c_int;
     fn gpumem_shim_begin_allocate_to_pool_address() -> *const c_void;
+    fn gpumem_shim_profiler_records_memory() -> c_int;
+    fn gpumem_shim_profiler_report(
+        ptr: *mut c_void,
+        bytes: i64,
+        allocated: u64,
+        reserved: u64,
+        device: c_int,
+    );
+    fn gpumem_shim_profiler_bound() -> c_int;
     fn gpumem_shim_call_alloc(
         size: usize,
         device: c_int,
@@ -89,10 +102,59 @@ pub extern "C-unwind" fn gpumem_torch_alloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let ptr = served_or_thrown(size, device, || {
-        global().alloc(size as u64, device, stream as u64)
+    let (ptr, bytes) = served_or_thrown(size, device, || {
+        global().alloc_sized(size as u64, device, stream as u64)
     });
+    if ptr != 0 && profiler_records_memory() {
+        if let Some(d) = known_device(device) {
+            report_to_profiler(ptr, bytes as i64, d);
+        }
+    }
     ptr as *mut c_void
+}
+
+/// Whether PyTorch's profiler records memory on this thread (never before [`bind_c10`]).
+#[inline]
+fn profiler_records_memory() -> bool {
+    // SAFETY: no arguments; the shim function is noexcept and reads an atomic function pointer
+    // that bind_c10 set to c10's own function, or null.
+    unsafe { gpumem_shim_profiler_records_memory() != 0 }
+}
+
+/// Tells the profiler of the block at `ptr` handed out (`bytes` > 0) or taken back (< 0) on
+/// `device`, with the device's bytes allocated and reserved after it.
+#[cold]
+fn report_to_profiler(ptr: DevPtr, bytes: i64, device: usize) {
+    let Ok((allocated, reserved)) = catch_unwind(|| usage(device)) else {
+        return;
+    };
+    // SAFETY: plain values; the shim function is noexcept (it swallows what c10 throws) and
+    // does nothing if c10's function is not bound. c10 only records the pointer's value.
+    unsafe {
+        gpumem_shim_profiler_report(
+            ptr as *mut c_void,
+            bytes,
+            allocated.max(0) as u64,
+            reserved.max(0) as u64,
+            device as c_int,
+        )
+    };
+}
+
+/// Whether [`bind_c10`] found c10's memory-profiler functions.
+pub fn profiler_bound() -> bool {
+    // SAFETY: no arguments; reads an atomic of the shim.
+    unsafe { gpumem_shim_profiler_bound() != 0 }
+}
+
+/// What a free came to, told to the profiler when it records memory.
+#[inline]
+fn report_free(ptr: *mut c_void, (outcome, found): (FreeOutcome, Option<usize>)) {
+    if let (FreeOutcome::Freed(bytes), Some(d)) = (outcome, found) {
+        if profiler_records_memory() {
+            report_to_profiler(ptr as DevPtr, -(bytes as i64), d);
+        }
+    }
 }
 
 /// What `allocate` returned, or (on an error or a panic) the C++ exception for it thrown into
@@ -123,7 +185,10 @@ pub extern "C" fn gpumem_torch_free(
     stream: *mut c_void,
 ) {
     let r = catch_unwind(AssertUnwindSafe(|| {
-        global().free(ptr as u64, device, stream as u64)
+        report_free(
+            ptr,
+            global().free_located(ptr as u64, device, stream as u64),
+        )
     }));
     if r.is_err() {
         warn(format_args!(
@@ -137,7 +202,9 @@ pub extern "C" fn gpumem_torch_free(
 /// Never throws; misuse is counted and reported once, as in [`gpumem_torch_free`].
 #[no_mangle]
 pub extern "C" fn gpumem_torch_free_any(ptr: *mut c_void) {
-    let r = catch_unwind(AssertUnwindSafe(|| global().free_any(ptr as u64)));
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        report_free(ptr, global().free_any_located(ptr as u64))
+    }));
     if r.is_err() {
         warn(format_args!(
             "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
@@ -307,68 +374,6 @@ fn reset(device: c_int, f: impl FnOnce(usize), what: &str) -> c_int {
 fn usage(device: usize) -> (i64, i64) {
     let m = global().memory_stats(device);
     (m.allocated_bytes.all.current, m.reserved_bytes.all.current)
-}
-
-/// [`gpumem_torch_alloc`] for the native allocator while PyTorch's memory profiler is on: also
-/// writes to `usage` the block's bytes as handed out, then the device's bytes allocated and
-/// reserved after it (what c10's `reportMemoryUsageToProfiler` takes). Throws as
-/// [`gpumem_torch_alloc`] does.
-///
-/// # Safety
-/// `usage` must be valid for writes of three `int64_t`s.
-#[no_mangle]
-pub unsafe extern "C-unwind" fn gpumem_torch_alloc_reporting(
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-    usage_out: *mut i64,
-) -> *mut c_void {
-    let (ptr, values) = served_or_thrown(size, device, || {
-        let (ptr, bytes) = global().alloc_sized(size as u64, device, stream as u64)?;
-        let (allocated, reserved) = known_device(device).map(usage).unwrap_or((0, 0));
-        Ok((ptr, [bytes as i64, allocated, reserved]))
-    });
-    // SAFETY: the caller guarantees `usage_out` is valid for three writes.
-    unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 3) };
-    ptr as *mut c_void
-}
-
-/// The native allocator's deleters and `raw_delete` while PyTorch's memory profiler is on:
-/// frees `ptr` (allocated on `device`, or on any device if `device` is negative), then writes
-/// to `usage` the bytes freed (0 if nothing was), the device it was found on (-1 if none),
-/// and that device's bytes allocated and reserved after it. Never throws; misuse is counted
-/// and reported once, as in [`gpumem_torch_free`].
-///
-/// # Safety
-/// `usage` must be valid for writes of four `int64_t`s.
-#[no_mangle]
-pub unsafe extern "C" fn gpumem_torch_free_reporting(
-    ptr: *mut c_void,
-    device: c_int,
-    usage_out: *mut i64,
-) {
-    let r = catch_unwind(AssertUnwindSafe(|| {
-        let (outcome, found) = if device < 0 {
-            global().free_any_located(ptr as u64)
-        } else {
-            global().free_located(ptr as u64, device, 0)
-        };
-        match (outcome, found) {
-            (crate::registry::FreeOutcome::Freed(bytes), Some(d)) => {
-                let (allocated, reserved) = usage(d);
-                [bytes as i64, d as i64, allocated, reserved]
-            }
-            _ => [0, -1, 0, 0],
-        }
-    }));
-    let values = r.unwrap_or_else(|_| {
-        warn(format_args!(
-            "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
-        ));
-        [0, -1, 0, 0]
-    });
-    // SAFETY: the caller guarantees `usage_out` is valid for four writes.
-    unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), usage_out, 4) };
 }
 
 /// c10's `getMemoryFraction` (`torch.cuda.get_per_process_memory_fraction`): `device`'s cap as
@@ -612,19 +617,10 @@ mod tests {
         gpumem_torch_empty_cache();
         assert_eq!(global().memory_stats(0).reserved_bytes.all.current, 0);
 
-        // What the native allocator reads for c10 and the memory profiler.
-        let mut usage = [0i64; 4];
-        // SAFETY: `usage` holds four values; three are written.
-        let p = unsafe {
-            gpumem_torch_alloc_reporting(3000, 0, std::ptr::null_mut(), usage.as_mut_ptr())
-        };
+        // What the native allocator reads for c10. (The profiler is not bound here: no torch.)
+        assert!(!profiler_bound() && !profiler_records_memory());
+        let p = gpumem_torch_alloc(3000, 0, std::ptr::null_mut());
         assert!(!p.is_null());
-        let reserved = global().memory_stats(0).reserved_bytes.all.current;
-        assert_eq!(
-            usage[..3],
-            [3072, 3072, reserved],
-            "bytes, allocated, reserved"
-        );
         let mut stats = [0i64; DEVICE_STATS_LEN + 1];
         // SAFETY: `stats` holds DEVICE_STATS_LEN + 1 values.
         let n = unsafe { gpumem_torch_device_stats(0, stats.as_mut_ptr(), stats.len()) };
@@ -653,14 +649,10 @@ mod tests {
         let m = global().memory_stats(0);
         assert_eq!((m.allocation.all.allocated, m.num_ooms), (0, 0));
         assert_eq!(m.allocated_bytes.all.current, 3072);
-        // Freed by pointer alone (device -1): bytes, the device found, then the totals.
-        // SAFETY: `usage` holds four values.
-        unsafe { gpumem_torch_free_reporting(p, -1, usage.as_mut_ptr()) };
-        let reserved = global().memory_stats(0).reserved_bytes.all.current;
-        assert_eq!(usage, [3072, 0, 0, reserved]);
-        // SAFETY: as above; a second free frees nothing and names no device.
-        unsafe { gpumem_torch_free_reporting(p, 0, usage.as_mut_ptr()) };
-        assert_eq!(usage, [0, -1, 0, 0]);
+        // Freed by pointer alone, then again: a double free, counted.
+        gpumem_torch_free_any(p);
+        assert_eq!(global().memory_stats(0).allocated_bytes.all.current, 0);
+        gpumem_torch_free_any(p);
         assert_eq!(count(&global().counters.double_frees), 2);
         assert_eq!(gpumem_torch_reset_peak_stats(0), 0);
         assert_eq!(global().memory_stats(0).allocated_bytes.all.peak, 0);

@@ -20,13 +20,12 @@
 // - answers cacheInfo, which cuDNN's benchmark mode calls;
 // - answers c10's statistics and the memory fraction (getDeviceStats, resetPeakStats,
 //   resetAccumulatedStats, getMemoryFraction), so torch._C's own functions read gpumem's;
-// - tells PyTorch's memory profiler of each allocation and free (torch.profiler with
-//   profile_memory=True);
 // - calls the out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer).
 // CUDA graph capture and MemPools need private pools, which gpumem does not have: both paths
 // refuse them with a clear error. Snapshots and history are gpumem's own Python functions
-// (install() points torch.cuda's at them); the rest raises a clear error.
-#include <c10/core/Allocator.h>
+// (install() points torch.cuda's at them); the rest raises a clear error. PyTorch's memory
+// profiler (torch.profiler with profile_memory=True) is told of each allocation and free by
+// gpumem's hooks themselves, as on the pluggable path (crates/gpumem-py/src/torch_abi.rs).
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -59,8 +58,6 @@ using FractionFn = void (*)(double fraction, int device);
 using CacheInfoFn = size_t (*)(int device);
 using DeviceStatsFn = size_t (*)(int device, int64_t* out, size_t len);
 using ResetStatsFn = int (*)(int device);
-using AllocReportingFn = void* (*)(size_t size, int device, cudaStream_t stream, int64_t* usage);
-using FreeReportingFn = void (*)(void* ptr, int device, int64_t* usage);
 using LimitAndFreeFn = int (*)(int device, uint64_t* out);
 using MemoryFractionFn = double (*)(int device);
 // The shim's refusal of private pools (crates/gpumem-py/shim/torch_shim.cpp): it throws.
@@ -83,8 +80,6 @@ struct Hooks {
   DeviceStatsFn device_stats = nullptr;
   ResetStatsFn reset_peak_stats = nullptr;
   ResetStatsFn reset_accumulated_stats = nullptr;
-  AllocReportingFn alloc_reporting = nullptr;
-  FreeReportingFn free_reporting = nullptr;
   LimitAndFreeFn limit_and_free = nullptr;
   MemoryFractionFn memory_fraction = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
@@ -94,35 +89,11 @@ struct Hooks {
 // atomic store in changeCurrentAllocator), read-only afterwards.
 Hooks hooks;
 
-// Tells PyTorch's memory profiler of an allocation (bytes > 0) or a free (bytes < 0), with the
-// device's totals after it: usage = {bytes, allocated, reserved}.
-void report_to_profiler(void* ptr, const int64_t* usage, c10::DeviceIndex device) {
-  c10::reportMemoryUsageToProfiler(ptr, usage[0], static_cast<size_t>(usage[1]),
-                                   static_cast<size_t>(usage[2]),
-                                   c10::Device(c10::DeviceType::CUDA, device));
-}
-
-// A free while the memory profiler is on: gpumem says how many bytes it freed on which device
-// (device < 0: any), and the profiler is told.
-void free_reporting(void* ptr, int device) {
-  int64_t usage[4] = {0, -1, 0, 0};  // bytes, device, allocated, reserved
-  hooks.free_reporting(ptr, device, usage);
-  if (usage[0] > 0) {
-    const int64_t report[3] = {-usage[0], usage[2], usage[3]};
-    report_to_profiler(ptr, report, static_cast<c10::DeviceIndex>(usage[1]));
-  }
-}
-
 // A tensor's deleter gets only its pointer, so there is one deleter per device: freeing names
 // the device the block came from, and gpumem's free looks the block up by address (the null
-// stream only says which of the device's streams to look at first). The profiler check is a
-// thread-local read, as in PyTorch's own allocator, which reports every free.
+// stream only says which of the device's streams to look at first).
 template <int Device>
 void free_on_device(void* ptr) {
-  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-    free_reporting(ptr, Device);
-    return;
-  }
   hooks.free(ptr, 0, Device, nullptr);
 }
 
@@ -135,10 +106,6 @@ constexpr auto kDeleters = deleter_table(std::make_index_sequence<C10_COMPILE_TI
 
 // For pointers whose device is not known here (raw_delete, raw_deleter): gpumem searches.
 void free_anywhere(void* ptr) {
-  if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-    free_reporting(ptr, -1);
-    return;
-  }
   hooks.free_any(ptr);
 }
 
@@ -162,17 +129,10 @@ void tell_oom_observers(c10::DeviceIndex device, size_t n) {
   }
 }
 
-// An allocation of `n` bytes on `device` for `stream`, told to the memory profiler when it is
-// on. Throws on failure (after telling the out-of-memory observers, if it ran out); null for
-// 0 bytes.
+// An allocation of `n` bytes on `device` for `stream`. Throws on failure (after telling the
+// out-of-memory observers, if it ran out); null for 0 bytes.
 void* allocate_on(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
   try {
-    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-      int64_t usage[3] = {0, 0, 0};  // bytes, allocated, reserved
-      void* ptr = hooks.alloc_reporting(n, device, stream, usage);
-      if (ptr) report_to_profiler(ptr, usage, device);
-      return ptr;
-    }
     return hooks.alloc(n, device, stream);
   } catch (const c10::OutOfMemoryError&) {
     // gpumem's out-of-memory errors are c10's once install() bound them (it warns if not).
@@ -391,15 +351,12 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
                                      uintptr_t record_stream, uintptr_t empty_cache,
                                      uintptr_t set_fraction, uintptr_t cache_info,
                                      uintptr_t device_stats, uintptr_t reset_peak_stats,
-                                     uintptr_t reset_accumulated_stats,
-                                     uintptr_t alloc_reporting, uintptr_t free_reporting,
-                                     uintptr_t limit_and_free, uintptr_t memory_fraction,
-                                     uintptr_t begin_allocate_to_pool, char* err,
-                                     int err_len) {
+                                     uintptr_t reset_accumulated_stats, uintptr_t limit_and_free,
+                                     uintptr_t memory_fraction, uintptr_t begin_allocate_to_pool,
+                                     char* err, int err_len) {
   if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
       !cache_info || !device_stats || !reset_peak_stats || !reset_accumulated_stats ||
-      !alloc_reporting || !free_reporting || !limit_and_free || !memory_fraction ||
-      !begin_allocate_to_pool) {
+      !limit_and_free || !memory_fraction || !begin_allocate_to_pool) {
     report(err, err_len, "a gpumem hook address is null");
     return 1;
   }
@@ -414,8 +371,6 @@ extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr
     hooks.device_stats = reinterpret_cast<DeviceStatsFn>(device_stats);
     hooks.reset_peak_stats = reinterpret_cast<ResetStatsFn>(reset_peak_stats);
     hooks.reset_accumulated_stats = reinterpret_cast<ResetStatsFn>(reset_accumulated_stats);
-    hooks.alloc_reporting = reinterpret_cast<AllocReportingFn>(alloc_reporting);
-    hooks.free_reporting = reinterpret_cast<FreeReportingFn>(free_reporting);
     hooks.limit_and_free = reinterpret_cast<LimitAndFreeFn>(limit_and_free);
     hooks.memory_fraction = reinterpret_cast<MemoryFractionFn>(memory_fraction);
     hooks.begin_allocate_to_pool = reinterpret_cast<BeginAllocateToPoolFn>(begin_allocate_to_pool);

@@ -316,6 +316,13 @@ fn torch_bind_c10(libc10: &str, libc10_cuda: &str) -> PyResult<()> {
     bind_c10(libc10, libc10_cuda).map_err(GpumemError::new_err)
 }
 
+/// Whether `install()` bound c10's memory-profiler functions, through which the allocation
+/// and free hooks tell `torch.profiler` of each block.
+#[pyfunction]
+fn torch_profiler_bound() -> bool {
+    crate::torch_abi::profiler_bound()
+}
+
 /// The C++ exception type out-of-memory failures are thrown as.
 #[pyfunction]
 fn torch_oom_exception() -> &'static str {
@@ -382,6 +389,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_call_alloc_from_cpp, m)?)?;
     m.add_function(wrap_pyfunction!(torch_bind_c10, m)?)?;
     m.add_function(wrap_pyfunction!(torch_oom_exception, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_profiler_bound, m)?)?;
     m.add_function(wrap_pyfunction!(torch_sim_complete_events, m)?)?;
     m.add_function(wrap_pyfunction!(torch_owner_device, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
