@@ -368,12 +368,15 @@ def _switch_to_native(nat: ctypes.CDLL, lib: ctypes.CDLL) -> None:
     """Makes the built native allocator PyTorch's; it calls gpumem._native's hooks."""
     addrs = _native_hook_addresses(lib)
     nat.gpumem_native_install.restype = ctypes.c_int
-    nat.gpumem_native_install.argtypes = [ctypes.c_void_p] * len(addrs) + [
+    nat.gpumem_native_install.argtypes = [
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_int,
         ctypes.c_char_p,
         ctypes.c_int,
     ]
     err = ctypes.create_string_buffer(1024)
-    if nat.gpumem_native_install(*addrs, err, len(err)) != 0:
+    table = (ctypes.c_size_t * len(addrs))(*addrs)
+    if nat.gpumem_native_install(table, len(addrs), err, len(err)) != 0:
         raise GpumemError(
             f"PyTorch refused gpumem's native allocator ({err.value.decode(errors='replace')}); "
             "call gpumem.torch.install() before anything initializes CUDA"

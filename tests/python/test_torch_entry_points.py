@@ -467,17 +467,19 @@ def test_native_allocator_ships_its_source_and_finds_every_hook():
     import re
 
     src = open(gpumem.torch._NATIVE_SOURCE).read()
-    signature = re.search(r'extern "C" int gpumem_native_install\(([^)]*)\)', src)
-    assert signature, "the C entry point install() calls"
-    params = [p.strip() for p in signature.group(1).split(",")]
-    # One address per hook (the exported ones in _NATIVE_HOOKS' order, then the refusal of
-    # private pools), then the error buffer and its length.
+    assert 'extern "C" int gpumem_native_install(const uintptr_t* addresses, int count' in src
+    # The hooks gpumem_native_install fills, in the order it takes their addresses: the
+    # exported ones in _NATIVE_HOOKS' order, then the refusal of private pools.
+    order = re.search(r"auto fields = std::make_tuple\(([^;]*)\);", src)
+    assert order, "the table of hooks gpumem_native_install fills"
+    fields = re.findall(r"&h\.(\w+)", order.group(1))
+    expected = [n.removeprefix("gpumem_torch_") for n in gpumem.torch._NATIVE_HOOKS]
+    renamed = {"set_memory_fraction": "set_fraction"}
+    assert fields[:-1] == [renamed.get(n, n) for n in expected], fields
+    assert fields[-1] == "begin_allocate_to_pool"
     lib = ctypes.CDLL(_native.__file__)
     addresses = gpumem.torch._native_hook_addresses(lib)
-    assert len(addresses) == len(gpumem.torch._NATIVE_HOOKS) + 1
-    assert len(params) == len(addresses) + 2, params
-    assert all(p.startswith("uintptr_t") for p in params[:-2]), params
-    assert params[-3] == "uintptr_t begin_allocate_to_pool", params
+    assert len(addresses) == len(fields)
     assert all(a > 0 for a in addresses)
 
 

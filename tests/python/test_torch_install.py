@@ -135,8 +135,14 @@ try:
     pool = None
 except RuntimeError as e:
     pool = str(e)
+# A hook table of the wrong length (a stale build against a newer package) is refused.
+few = (ctypes.c_size_t * 3)(1, 2, 3)
+short_err = ctypes.create_string_buffer(300)
+short_rc = nat.gpumem_native_install(few, 3, short_err, len(short_err))
 print(json.dumps({
     "pool": pool,
+    "short_table": [short_rc, short_err.value.decode(),
+                    len(gpumem.torch._native_hook_addresses(gpumem.torch._installed["library"]))],
     "cache_info": [cache_rc, largest.value],
     "allocated": allocated, "after_delete": after_delete, "reserved": reserved,
     "after_empty": after_empty, "errors": gpumem.torch.error_counts(),
@@ -171,6 +177,8 @@ print(json.dumps({
     # CUDA graph capture's request for a private pool: refused through the same hook as on
     # the pluggable path.
     assert r["pool"].startswith("gpumem has no private memory pools"), r["pool"]
+    rc, text, hooks = r["short_table"]
+    assert rc == 1 and f"takes {hooks} hook addresses, not 3" in text, text
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")

@@ -41,6 +41,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -347,33 +349,37 @@ void report(char* err, int err_len, const std::string& msg) {
 // Makes gpumem PyTorch's CUDA allocator, given the addresses of gpumem._native's hooks.
 // Returns 0, or 1 with a message in `err` (PyTorch refuses once its own allocator has been
 // initialized; a hook address is missing).
-extern "C" int gpumem_native_install(uintptr_t alloc, uintptr_t free_fn, uintptr_t free_any,
-                                     uintptr_t record_stream, uintptr_t empty_cache,
-                                     uintptr_t set_fraction, uintptr_t cache_info,
-                                     uintptr_t device_stats, uintptr_t reset_peak_stats,
-                                     uintptr_t reset_accumulated_stats, uintptr_t limit_and_free,
-                                     uintptr_t memory_fraction, uintptr_t begin_allocate_to_pool,
-                                     char* err, int err_len) {
-  if (!alloc || !free_fn || !free_any || !record_stream || !empty_cache || !set_fraction ||
-      !cache_info || !device_stats || !reset_peak_stats || !reset_accumulated_stats ||
-      !limit_and_free || !memory_fraction || !begin_allocate_to_pool) {
-    report(err, err_len, "a gpumem hook address is null");
+extern "C" int gpumem_native_install(const uintptr_t* addresses, int count, char* err,
+                                     int err_len) {
+  // The hooks in the order gpumem.torch passes their addresses (_native_hook_addresses).
+  Hooks h;
+  auto fields = std::make_tuple(&h.alloc, &h.free, &h.free_any, &h.record_stream,
+                                &h.empty_cache, &h.set_fraction, &h.cache_info, &h.device_stats,
+                                &h.reset_peak_stats, &h.reset_accumulated_stats,
+                                &h.limit_and_free, &h.memory_fraction,
+                                &h.begin_allocate_to_pool);
+  constexpr int kHooks = static_cast<int>(std::tuple_size<decltype(fields)>::value);
+  if (addresses == nullptr || count != kHooks) {
+    report(err, err_len,
+           "gpumem's native allocator takes " + std::to_string(kHooks) + " hook addresses, not " +
+               std::to_string(count) + " (a gpumem package and a stale build of this file?)");
     return 1;
   }
+  for (int i = 0; i < count; ++i) {
+    if (addresses[i] == 0) {
+      report(err, err_len, "gpumem hook address " + std::to_string(i) + " is null");
+      return 1;
+    }
+  }
+  int next = 0;
+  std::apply(
+      [&](auto*... field) {
+        ((*field = reinterpret_cast<std::remove_reference_t<decltype(*field)>>(addresses[next++])),
+         ...);
+      },
+      fields);
   try {
-    hooks.alloc = reinterpret_cast<AllocFn>(alloc);
-    hooks.free = reinterpret_cast<FreeFn>(free_fn);
-    hooks.free_any = reinterpret_cast<FreeAnyFn>(free_any);
-    hooks.record_stream = reinterpret_cast<RecordStreamFn>(record_stream);
-    hooks.empty_cache = reinterpret_cast<EmptyCacheFn>(empty_cache);
-    hooks.set_fraction = reinterpret_cast<FractionFn>(set_fraction);
-    hooks.cache_info = reinterpret_cast<CacheInfoFn>(cache_info);
-    hooks.device_stats = reinterpret_cast<DeviceStatsFn>(device_stats);
-    hooks.reset_peak_stats = reinterpret_cast<ResetStatsFn>(reset_peak_stats);
-    hooks.reset_accumulated_stats = reinterpret_cast<ResetStatsFn>(reset_accumulated_stats);
-    hooks.limit_and_free = reinterpret_cast<LimitAndFreeFn>(limit_and_free);
-    hooks.memory_fraction = reinterpret_cast<MemoryFractionFn>(memory_fraction);
-    hooks.begin_allocate_to_pool = reinterpret_cast<BeginAllocateToPoolFn>(begin_allocate_to_pool);
+    hooks = h;
     // Keeps the allocator alive for the process (PyTorch holds the shared_ptr) and checks that
     // PyTorch's own allocator has not been initialized.
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
