@@ -378,8 +378,9 @@ def _switch_to_native(nat: ctypes.CDLL, lib: ctypes.CDLL) -> None:
     table = (ctypes.c_size_t * len(addrs))(*addrs)
     if nat.gpumem_native_install(table, len(addrs), err, len(err)) != 0:
         raise GpumemError(
-            f"PyTorch refused gpumem's native allocator ({err.value.decode(errors='replace')}); "
-            "call gpumem.torch.install() before anything initializes CUDA"
+            f"gpumem's native allocator could not be installed "
+            f"({err.value.decode(errors='replace')}); PyTorch refuses it once anything has "
+            "initialized CUDA, so call gpumem.torch.install() first"
         )
 
 
