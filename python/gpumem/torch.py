@@ -264,6 +264,14 @@ def install(
                 RuntimeWarning,
                 stacklevel=2,
             )
+        elif not _native.torch_profiler_bound():
+            warnings.warn(
+                "gpumem: torch.profiler will not see gpumem's allocations: this PyTorch's "
+                "libc10 does not export c10::memoryProfilingEnabled and "
+                "c10::reportMemoryUsageToProfiler under the names gpumem binds",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         _installed = {
             "conf": conf_text,
             "mode": _mode(use_native),
