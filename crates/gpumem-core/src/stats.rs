@@ -125,7 +125,9 @@ impl StatArray {
         }
     }
 
-    fn each(&self) -> [(&'static str, &Stat); 3] {
+    /// The three pools under PyTorch's names, in PyTorch's order: `all`, `small_pool`,
+    /// `large_pool`.
+    pub fn each(&self) -> [(&'static str, &Stat); 3] {
         [
             ("all", &self.all),
             ("small_pool", &self.small_pool),
@@ -328,7 +330,19 @@ impl MemoryStats {
         self.num_device_free -= base.num_device_free;
     }
 
-    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+    /// The five counters under PyTorch's names, in the order of c10's `DeviceStats`.
+    pub fn counters(&self) -> [(&'static str, i64); 5] {
+        [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_sync_all_streams", self.num_sync_all_streams),
+            ("num_device_alloc", self.num_device_alloc),
+            ("num_device_free", self.num_device_free),
+        ]
+    }
+
+    /// The nine statistics under PyTorch's names, in the order of c10's `DeviceStats`.
+    pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
         [
             ("allocation", &self.allocation),
             ("segment", &self.segment),
@@ -368,11 +382,9 @@ impl MemoryStats {
                 m.insert(format!("{name}.{pool}.freed"), s.freed);
             }
         }
-        m.insert("num_alloc_retries".into(), self.num_alloc_retries);
-        m.insert("num_ooms".into(), self.num_ooms);
-        m.insert("num_sync_all_streams".into(), self.num_sync_all_streams);
-        m.insert("num_device_alloc".into(), self.num_device_alloc);
-        m.insert("num_device_free".into(), self.num_device_free);
+        for (name, value) in self.counters() {
+            m.insert(name.into(), value);
+        }
         // gpumem never refuses to split a block for its size (PyTorch's default too).
         m.insert("max_split_size".into(), -1);
         m

@@ -312,7 +312,8 @@ pub fn global() -> &'static Registry {
     &GLOBAL
 }
 
-fn device_index(device: i32) -> Result<usize, TorchError> {
+/// `device` as an index of the registry's devices, or the error for one that cannot be.
+pub(crate) fn device_index(device: i32) -> Result<usize, TorchError> {
     usize::try_from(device)
         .ok()
         .filter(|&d| d < MAX_DEVICES)

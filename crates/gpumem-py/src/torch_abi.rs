@@ -29,7 +29,7 @@
 //! PyTorch. The free function runs inside PyTorch's deleters, where an exception would end the
 //! process, so it reports misuse on stderr and in counters instead.
 
-use crate::registry::{global, warn, FreeOutcome, TorchError};
+use crate::registry::{device_index, global, warn, FreeOutcome, TorchError};
 use gpumem_core::backend::DevPtr;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -106,7 +106,7 @@ pub extern "C-unwind" fn gpumem_torch_alloc(
         global().alloc_sized(size as u64, device, stream as u64)
     });
     if ptr != 0 && profiler_records_memory() {
-        if let Some(d) = known_device(device) {
+        if let Ok(d) = device_index(device) {
             report_to_profiler(ptr, bytes as i64, d);
         }
     }
@@ -276,39 +276,16 @@ pub const DEVICE_STATS_LEN: usize = 9 * 3 * 4 + 5;
 pub fn device_stats_array(device: usize) -> [i64; DEVICE_STATS_LEN] {
     let m = global().memory_stats(device);
     let mut out = [0i64; DEVICE_STATS_LEN];
-    let arrays = [
-        &m.allocation,
-        &m.segment,
-        &m.active,
-        &m.inactive_split,
-        &m.allocated_bytes,
-        &m.reserved_bytes,
-        &m.active_bytes,
-        &m.inactive_split_bytes,
-        &m.requested_bytes,
-    ];
-    let stats = arrays
-        .iter()
-        .flat_map(|a| [&a.all, &a.small_pool, &a.large_pool])
-        .flat_map(|s| [s.current, s.peak, s.allocated, s.freed]);
-    let counters = [
-        m.num_alloc_retries,
-        m.num_ooms,
-        m.num_sync_all_streams,
-        m.num_device_alloc,
-        m.num_device_free,
-    ];
+    let stats = m
+        .arrays()
+        .into_iter()
+        .flat_map(|(_, a)| a.each())
+        .flat_map(|(_, s)| [s.current, s.peak, s.allocated, s.freed]);
+    let counters = m.counters().map(|(_, v)| v);
     for (o, v) in out.iter_mut().zip(stats.chain(counters)) {
         *o = v;
     }
     out
-}
-
-/// The device index `device`, if it can be one.
-fn known_device(device: c_int) -> Option<usize> {
-    usize::try_from(device)
-        .ok()
-        .filter(|&d| d < crate::registry::MAX_DEVICES)
 }
 
 /// c10's `getDeviceStats`: writes the first `len` of `device`'s [`DEVICE_STATS_LEN`]
@@ -323,7 +300,7 @@ pub unsafe extern "C" fn gpumem_torch_device_stats(
     out: *mut i64,
     len: usize,
 ) -> usize {
-    let Some(d) = known_device(device) else {
+    let Ok(d) = device_index(device) else {
         return 0;
     };
     let Ok(values) = catch_unwind(|| device_stats_array(d)) else {
@@ -359,7 +336,7 @@ pub extern "C" fn gpumem_torch_reset_accumulated_stats(device: c_int) -> c_int {
 }
 
 fn reset(device: c_int, f: impl FnOnce(usize), what: &str) -> c_int {
-    let Some(d) = known_device(device) else {
+    let Ok(d) = device_index(device) else {
         return 1;
     };
     if catch_unwind(AssertUnwindSafe(|| f(d))).is_err() {
@@ -406,7 +383,8 @@ pub extern "C" fn gpumem_torch_memory_fraction(device: c_int) -> f64 {
 /// `out` must be valid for writes of two `uint64_t`s.
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_torch_limit_and_free(device: c_int, out: *mut u64) -> c_int {
-    let figures = known_device(device)
+    let figures = device_index(device)
+        .ok()
         .and_then(|d| catch_unwind(|| global().limit_and_free(d)).ok().flatten());
     let Some((limit, free)) = figures else {
         return 1;
