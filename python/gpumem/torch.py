@@ -101,6 +101,14 @@ _NATIVE_HOOKS = (
     "gpumem_torch_reset_accumulated_stats",
     "gpumem_torch_limit_and_free",
     "gpumem_torch_memory_fraction",
+    "gpumem_torch_pool_use_count",
+)
+# CUDA graph capture's C++ hooks (gpumem_torch_pool_hook_address's numbering), with the
+# CUDAPluggableAllocator setter of each; the native allocator takes them after _NATIVE_HOOKS.
+_POOL_HOOKS = (
+    (0, "set_begin_allocate_to_pool"),
+    (1, "set_end_allocate_to_pool_fn"),
+    (2, "set_release_pool"),
 )
 _NATIVE_SOURCE = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_allocator.cpp"
@@ -127,13 +135,16 @@ def _function_address(lib: ctypes.CDLL, name: str) -> int:
     return addr
 
 
-def _graph_pool_refusal(lib: ctypes.CDLL) -> int:
-    """The address of the C++ hook that refuses private pools (CUDA graph capture,
-    torch.cuda.MemPool), for both install paths."""
-    get = lib.gpumem_torch_begin_allocate_to_pool_address
+def _pool_hook_address(lib: ctypes.CDLL, which: int) -> int:
+    """The address of one of the C++ hooks of CUDA graph capture (0 begin, 1 end, 2 release),
+    for both install paths."""
+    get = lib.gpumem_torch_pool_hook_address
     get.restype = ctypes.c_size_t
-    get.argtypes = []
-    return int(get())
+    get.argtypes = [ctypes.c_int]
+    addr = int(get(which))
+    if not addr:
+        raise GpumemError(f"gpumem._native has no CUDA graph hook {which}")
+    return addr
 
 
 def _bind_torch_oom(torch: Any) -> Optional[str]:
@@ -234,9 +245,8 @@ def install(
             allocator = torch.cuda.memory.CUDAPluggableAllocator(so_path, _ALLOC_FN, _FREE_FN)
             raw = allocator.allocator()
             hooks = [(setter, _function_address(lib, fn)) for fn, setter in _HOOKS]
-            # CUDA graph capture and MemPools are refused with a clear error (gpumem has no
-            # private pools), instead of silently sharing a graph's memory.
-            hooks.append(("set_begin_allocate_to_pool", _graph_pool_refusal(lib)))
+            # CUDA graph capture: private pools for the capture's streams.
+            hooks += [(setter, _pool_hook_address(lib, w)) for w, setter in _POOL_HOOKS]
             for setter, address in hooks:
                 set_fn = getattr(raw, setter, None)
                 if set_fn is None:
@@ -368,8 +378,10 @@ def _build_native_allocator(torch: Any) -> ctypes.CDLL:
 
 def _native_hook_addresses(lib: ctypes.CDLL) -> List[int]:
     """The addresses gpumem_native_install takes, in its order: the exported hooks, then the
-    C++ refusal of private pools."""
-    return [_function_address(lib, n) for n in _NATIVE_HOOKS] + [_graph_pool_refusal(lib)]
+    C++ hooks of CUDA graph capture."""
+    return [_function_address(lib, n) for n in _NATIVE_HOOKS] + [
+        _pool_hook_address(lib, w) for w, _ in _POOL_HOOKS
+    ]
 
 
 def _switch_to_native(nat: ctypes.CDLL, lib: ctypes.CDLL) -> None:

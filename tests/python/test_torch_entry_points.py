@@ -469,14 +469,23 @@ def test_native_allocator_ships_its_source_and_finds_every_hook():
     src = open(gpumem.torch._NATIVE_SOURCE).read()
     assert 'extern "C" int gpumem_native_install(const uintptr_t* addresses, int count' in src
     # The hooks gpumem_native_install fills, in the order it takes their addresses: the
-    # exported ones in _NATIVE_HOOKS' order, then the refusal of private pools.
+    # exported ones in _NATIVE_HOOKS' order, then the three C++ hooks of CUDA graph capture.
     order = re.search(r"auto fields = std::make_tuple\(([^;]*)\);", src)
     assert order, "the table of hooks gpumem_native_install fills"
     fields = re.findall(r"&h\.(\w+)", order.group(1))
     expected = [n.removeprefix("gpumem_torch_") for n in gpumem.torch._NATIVE_HOOKS]
     renamed = {"set_memory_fraction": "set_fraction"}
-    assert fields[:-1] == [renamed.get(n, n) for n in expected], fields
-    assert fields[-1] == "begin_allocate_to_pool"
+    assert fields[: len(expected)] == [renamed.get(n, n) for n in expected], fields
+    assert fields[len(expected) :] == [
+        "begin_allocate_to_pool",
+        "end_allocate_to_pool",
+        "release_pool",
+    ]
+    assert [s for _, s in gpumem.torch._POOL_HOOKS] == [
+        "set_begin_allocate_to_pool",
+        "set_end_allocate_to_pool_fn",
+        "set_release_pool",
+    ]
     lib = ctypes.CDLL(_native.__file__)
     addresses = gpumem.torch._native_hook_addresses(lib)
     assert len(addresses) == len(fields)
@@ -517,3 +526,65 @@ def test_memory_fraction_reads_back_the_cap():
     assert gpumem.torch.memory_fraction(dev) == before
     with pytest.raises(ValueError, match="CUDA device"):
         gpumem.torch.memory_fraction("cpu")
+
+
+def test_a_graph_capture_is_served_from_its_own_pool_until_the_graph_is_gone():
+    """CUDA graph capture as PyTorch's CUDAGraph drives it (the pool begun before the capture,
+    ended after it, released when the graph is destroyed), through the shim's C++ hooks and
+    the allocation hook: the capture stream's requests come from a private pool that nothing
+    else takes while the graph lives, and its memory goes back once the graph is gone."""
+    out = _fresh_process(r"""
+import ctypes, json
+import gpumem
+from gpumem import _native
+MIB = 1 << 20
+_native.torch_use_simulated_devices(1, 1 << 30, True)
+_native.torch_configure("policy:stitched")
+cap, other, pool = 0xCA00, 0xD000, (0, 41)
+eager = _native.torch_alloc(3 * MIB, 0, cap)
+_native.torch_free(eager, 0, cap)  # cached on the capture stream
+_native.torch_test_capture(True, 0, *pool, cap)
+r = {"users": _native.torch_pool_use_count(0, *pool)}
+inside = _native.torch_alloc(3 * MIB, 0, cap)
+side = _native.torch_alloc(3 * MIB, 0, other)  # not part of the capture
+r["inside_is_eager"] = inside == eager
+r["side_is_inside"] = side == inside
+_native.torch_free(inside, 0, cap)
+r["reused_in_pool"] = _native.torch_alloc(3 * MIB, 0, cap) == inside
+try:
+    _native.torch_test_capture(True, 0, *pool, cap)
+    r["twice"] = None
+except gpumem.GpumemError as e:
+    r["twice"] = str(e)
+_native.torch_test_capture(False, 0, *pool, cap)
+after = [_native.torch_alloc(3 * MIB, 0, cap) for _ in range(3)]
+r["after_in_graph"] = inside in after
+for p in after:
+    _native.torch_free(p, 0, cap)
+_native.torch_free(side, 0, other)
+_native.torch_free(inside, 0, cap)
+r["stats_allocated"] = gpumem.torch.memory_allocated(0)
+gpumem.torch.empty_cache()
+r["kept"] = gpumem.torch.memory_reserved(0)
+release = ctypes.CDLL(_native.__file__).gpumem_torch_pool_release
+release.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+err = ctypes.create_string_buffer(200)
+r["release"] = [release(0, *pool, err, len(err)), release(0, *pool, err, len(err)), err.value.decode()]
+r["users_after"] = _native.torch_pool_use_count(0, *pool)
+gpumem.torch.empty_cache()
+r["after_release"] = gpumem.torch.memory_reserved(0)
+print(json.dumps(r))
+""")
+    r = json.loads(out)
+    assert r["users"] == 1
+    assert not r["inside_is_eager"], "the capture took the stream's cached eager block"
+    assert not r["side_is_inside"]
+    assert r["reused_in_pool"], "a block freed during the capture is the pool's to reuse"
+    assert "already being filled" in r["twice"], r["twice"]
+    assert not r["after_in_graph"], "after the capture an eager request got the graph's memory"
+    assert r["stats_allocated"] == 0
+    assert r["kept"] >= 20 * MIB, "empty_cache took the memory of a graph still alive"
+    rc_first, rc_second, msg = r["release"]
+    assert rc_first == 0 and rc_second == 1 and "no user left" in msg, r["release"]
+    assert r["users_after"] == 0
+    assert r["after_release"] == 0, "the pool's memory went back once the graph was gone"

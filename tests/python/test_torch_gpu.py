@@ -161,34 +161,62 @@ print(json.dumps({"events": cuda_events, "c10_allocated": c10_allocated,
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
-def test_cuda_graph_capture_is_refused_before_it_begins(install_path):
-    # gpumem has no private pools, so CUDA graph capture (which asks for one before
-    # cudaStreamBeginCapture) fails with gpumem's message instead of sharing the graph's
-    # memory with eager tensors; the process goes on with eager work on the same stream.
+def test_cuda_graphs_keep_their_memory_and_replay_right(install_path):
+    # torch.cuda.graph with gpumem: the capture's tensors come from a private pool, eager
+    # tensors made after the capture never take the graph's memory (the graph would overwrite
+    # them on replay), replays compute what eager code computes, a second graph can share the
+    # pool, and the pool's memory goes back once the graphs are gone.
     r = run_python(
         PRELUDE
         + """
-x = torch.randn(256, 256, device="cuda")
+import gc
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+static_x = torch.randn(64, 1024, device="cuda")
 s = torch.cuda.Stream()
 s.wait_stream(torch.cuda.current_stream())
-g = torch.cuda.CUDAGraph()
-try:
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            y = x @ x
-    error = None
-except RuntimeError as e:
-    error = str(e)
 with torch.cuda.stream(s):
-    z = (x @ x).sum().item()
+    for _ in range(3):  # warm-up on the side stream, as PyTorch's documentation asks
+        m(static_x)
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    static_y = m(static_x)
+g2 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g2, pool=g.pool()):
+    static_z = static_y * 2
+graph_range = (static_y.data_ptr(), static_y.data_ptr() + static_y.numel() * 4)
+# Eager tensors of the graph's sizes, made after the capture: none inside the graph's memory.
+eager = [torch.empty(64, 4096, device="cuda") for _ in range(8)] + [torch.empty(64, 1024, device="cuda") for _ in range(8)]
+overlap = [t.data_ptr() for t in eager if graph_range[0] <= t.data_ptr() < graph_range[1]]
+for t in eager:
+    t.fill_(7.0)
+results = []
+for i in range(3):
+    x = torch.randn(64, 1024, device="cuda")
+    static_x.copy_(x)
+    g.replay()
+    g2.replay()
+    with torch.no_grad():
+        want = m(x)
+    results.append([torch.allclose(static_y, want, atol=1e-4), torch.allclose(static_z, 2 * want, atol=1e-4)])
+intact = all(bool((t == 7.0).all()) for t in eager)
+del eager
 torch.cuda.synchronize()
-status = torch.cuda.is_current_stream_capturing()
-print(json.dumps({"error": error, "after": z == z, "capturing": status,
+reserved_with_graphs = torch.cuda.memory_reserved()
+del g, g2, static_y, static_z
+gc.collect()
+torch.cuda.empty_cache()
+print(json.dumps({"overlap": overlap, "results": results, "intact": intact,
+                  "reserved_with_graphs": reserved_with_graphs,
+                  "reserved_after": torch.cuda.memory_reserved(),
                   "errors": gpumem.torch.error_counts()}))
 """
     )
-    assert r["error"] is not None and "gpumem has no private memory pools" in r["error"], r
-    assert r["after"] and not r["capturing"]
+    assert r["overlap"] == [], "an eager tensor was placed in the graph's memory"
+    assert r["results"] == [[True, True]] * 3, r["results"]
+    assert r["intact"], "a replay overwrote an eager tensor"
+    assert r["reserved_after"] < r["reserved_with_graphs"], r
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 

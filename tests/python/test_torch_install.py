@@ -18,6 +18,35 @@ except ImportError:
     HAVE_TORCH = False
 
 
+# CUDA graph capture through PyTorch's own entry points, as torch.cuda.graph drives them (the
+# filter of torch._C._cuda_beginAllocateToPool takes every stream): requests made through the
+# exported allocation hook go to a private pool, which empty_cache leaves while the pool has a
+# user and gives back once the pool is released.
+GRAPH_POOL_SCRIPT = """
+eager = _native.torch_alloc(3 << 20, 0, 0)
+_native.torch_free(eager, 0, 0)
+torch._C._cuda_beginAllocateToPool(0, (0, 7))
+inside = _native.torch_call_alloc_from_cpp(3 << 20, 0, 0)
+users = _native.torch_pool_use_count(0, 0, 7)
+torch._C._cuda_endAllocateToPool(0, (0, 7))
+_native.torch_free(inside[1], 0, 0)
+torch._C._cuda_emptyCache()
+kept = gpumem.torch.memory_reserved(0)
+torch._C._cuda_releasePool(0, (0, 7))
+torch._C._cuda_emptyCache()
+pool = {"inside": [inside[0], inside[1] == eager], "users": [users, _native.torch_pool_use_count(0, 0, 7)],
+        "given_back": kept - gpumem.torch.memory_reserved(0)}
+"""
+
+
+def check_graph_pool(pool):
+    assert pool["inside"] == ["returned", False], "the capture took the stream's cached block"
+    assert pool["users"] == [1, 0]
+    # The pool's 20 MiB segment (a 3 MiB request) stayed through empty_cache while the pool
+    # had a user, and went back after releasePool.
+    assert pool["given_back"] == 20 << 20, pool
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
 def test_install_binds_c10_out_of_memory_in_a_real_torch_process():
     r = run_python(
@@ -32,12 +61,9 @@ with warnings.catch_warnings(record=True) as w:
     gpumem.torch.install(conf="policy:stitched")
 kind, cpp_type, what = _native.torch_call_alloc_from_cpp(4 << 30, 0, 0)
 ok = _native.torch_call_alloc_from_cpp(1 << 20, 0, 0)
-# CUDA graph capture asks for a private pool first (before the capture begins): refused.
-try:
-    torch._C._cuda_beginAllocateToPool(0, (0, 7))
-    pool = None
-except RuntimeError as e:
-    pool = str(e)
+"""
+        + GRAPH_POOL_SCRIPT
+        + """
 print(json.dumps({
     "pool": pool,
     "warnings": [str(x.message) for x in w if "gpumem" in str(x.message)],
@@ -63,8 +89,7 @@ print(json.dumps({
     assert (kind, cpp_type) == ("threw", "c10::OutOfMemoryError")
     assert what.startswith("CUDA out of memory. gpumem on device 0")
     assert r["served"] == "returned"
-    assert r["pool"].startswith("gpumem has no private memory pools"), r["pool"]
-    assert "(device 0, pool (0, 7))" in r["pool"]
+    check_graph_pool(r["pool"])
     # torch.cuda.memory_stats (patched) has exactly the keys of PyTorch's own.
     assert set(r["keys"]) == TORCH_STAT_KEYS
     # torch.cuda.get_per_process_memory_fraction (patched) reads gpumem's cap as it was given.
@@ -130,11 +155,9 @@ nat = gpumem.torch._installed["allocator"]
 largest = ctypes.c_size_t(0)
 keep = _native.torch_alloc(100 << 20, 0, 0)
 cache_rc = nat.gpumem_native_cache_info(0, ctypes.byref(largest))
-try:
-    torch._C._cuda_beginAllocateToPool(0, (0, 7))
-    pool = None
-except RuntimeError as e:
-    pool = str(e)
+"""
+        + GRAPH_POOL_SCRIPT
+        + """
 # A hook table of the wrong length (a stale build against a newer package) is refused.
 few = (ctypes.c_size_t * 3)(1, 2, 3)
 short_err = ctypes.create_string_buffer(300)
@@ -174,9 +197,8 @@ print(json.dumps({
     # 1 GiB simulated, 100 MiB live: the rest can still be served (PyTorch's pluggable
     # allocator raises here instead).
     assert r["cache_info"] == [0, (1 << 30) - (100 << 20)]
-    # CUDA graph capture's request for a private pool: refused through the same hook as on
-    # the pluggable path.
-    assert r["pool"].startswith("gpumem has no private memory pools"), r["pool"]
+    # CUDA graph capture: private pools through the same hooks as on the pluggable path.
+    check_graph_pool(r["pool"])
     rc, text, hooks = r["short_table"]
     assert rc == 1 and f"takes {hooks} hook addresses, not 3" in text, text
 

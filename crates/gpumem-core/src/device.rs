@@ -150,6 +150,14 @@ pub struct DeviceState {
     reservations: BTreeMap<DevPtr, (u64, Stream, Pool)>,
     /// Whether the backend is the simulated device (see [`DeviceState::driver_seconds`]).
     simulated: bool,
+    /// Streams seen capturing a CUDA graph (allocating into a private pool) while captures are
+    /// underway: no event is recorded or waited for on them, which would become part of the
+    /// graph (see [`DeviceState::note_capturing`]).
+    capturing: Vec<Stream>,
+    /// Events recorded on the allocator's streams as the first capture began (before PyTorch
+    /// begins the capture itself): they cover all the work a capturing stream will run before
+    /// its graph is launched (see [`DeviceState::event_record`]).
+    pre_capture: Vec<(Stream, EventHandle)>,
 }
 
 /// A device shared by the allocator's stream shards.
@@ -182,6 +190,8 @@ impl Device {
                 segment_trace: None,
                 reservations: BTreeMap::new(),
                 simulated,
+                capturing: Vec::new(),
+                pre_capture: Vec::new(),
             }),
             info,
             born: Instant::now(),
@@ -609,8 +619,76 @@ impl DeviceState {
     }
 
     /// Records an event on `stream`.
+    ///
+    /// On a stream capturing a CUDA graph an event cannot be recorded (it would become a node
+    /// of the graph, and a query of it would read as completed at once). Nothing queued there
+    /// since the capture began runs before the graph is launched, so the point such an event
+    /// would mark is the end of the work queued before the capture, which the stream's
+    /// pre-capture event covers: the host waits for that one (once; it stays completed) and
+    /// gets an event that reads as completed. A capturing stream without one (it had allocated
+    /// nothing when the capture began) is refused.
     pub fn event_record(&mut self, stream: Stream) -> Result<EventHandle, BackendError> {
+        if self.capturing.contains(&stream) {
+            let Some(&(_, pre)) = self.pre_capture.iter().find(|&&(s, _)| s == stream) else {
+                return Err(BackendError::new(
+                    DriverCall::EventRecord,
+                    format!(
+                        "stream {stream:#x} is capturing a CUDA graph and gpumem has no event \
+                         of its work before the capture"
+                    ),
+                ));
+            };
+            self.event_synchronize(pre)?;
+            return self.call(DriverCall::EventRecord, 0, 0, |b| b.event_completed());
+        }
         self.call(DriverCall::EventRecord, 0, 0, |b| b.event_record(stream))
+    }
+
+    /// `stream` is capturing a CUDA graph (it allocates into a private pool): until
+    /// [`DeviceState::clear_capturing`], events on it stand for its pre-capture work (see
+    /// [`DeviceState::event_record`]) and no stream wait is added to it (that would join
+    /// outside work to the graph).
+    pub fn note_capturing(&mut self, stream: Stream) {
+        if !self.capturing.contains(&stream) {
+            self.capturing.push(stream);
+        }
+    }
+
+    /// The first capture is about to begin (a private pool is being filled; PyTorch begins
+    /// the capture itself right after): an event is recorded on each of `streams` (the
+    /// allocator's), and the backend's calls go in the relaxed capture mode (see
+    /// [`Backend::set_capture_underway`]). A stream whose event fails gets none.
+    pub fn begin_capture(&mut self, streams: &[Stream]) {
+        self.backend.set_capture_underway(true);
+        for &s in streams {
+            if !self.pre_capture.iter().any(|&(x, _)| x == s) {
+                if let Ok(e) = self.call(DriverCall::EventRecord, 0, 0, |b| b.event_record(s)) {
+                    self.pre_capture.push((s, e));
+                }
+            }
+        }
+    }
+
+    /// No capture is underway any more.
+    pub fn clear_capturing(&mut self) {
+        self.capturing.clear();
+        for (_, e) in std::mem::take(&mut self.pre_capture) {
+            self.event_destroy(e);
+        }
+        self.backend.set_capture_underway(false);
+    }
+
+    fn refuse_capturing(&self, call: DriverCall, stream: Stream) -> Result<(), BackendError> {
+        if self.capturing.contains(&stream) {
+            return Err(BackendError::new(
+                call,
+                format!(
+                    "stream {stream:#x} is capturing a CUDA graph: gpumem makes it wait for no \
+                     event until the capture ends"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Whether an event has completed.
@@ -636,6 +714,7 @@ impl DeviceState {
         stream: Stream,
         e: EventHandle,
     ) -> Result<(), BackendError> {
+        self.refuse_capturing(DriverCall::StreamWaitEvent, stream)?;
         self.call(DriverCall::StreamWaitEvent, 0, 0, |b| {
             b.stream_wait_event(stream, e)
         })
@@ -665,6 +744,44 @@ mod tests {
             ..SimConfig::default()
         });
         Device::new(Box::new(b), CostModel::h200())
+    }
+
+    #[test]
+    fn no_event_is_recorded_or_waited_for_on_a_capturing_stream() {
+        let (b, ctl) = SimBackend::new(SimConfig {
+            event_mode: crate::backend::sim::EventMode::Manual,
+            ..SimConfig::default()
+        });
+        let d = Device::new(Box::new(b), CostModel::h200());
+        let mut s = d.lock();
+        let before = s.event_record(5).unwrap();
+        // Stream 7 had work when the capture began; stream 5 is not one of the allocator's.
+        s.begin_capture(&[7]);
+        let pre = ctl.take_recorded();
+        assert_eq!(pre.iter().map(|&(_, st)| st).collect::<Vec<_>>(), [5, 7]);
+        s.note_capturing(5);
+        s.note_capturing(7);
+        let e = s.event_record(5).unwrap_err();
+        assert!(e.message.contains("capturing a CUDA graph"), "{e}");
+        assert!(s.stream_wait_event(7, before).is_err());
+        // On stream 7 an event stands for the work queued before the capture: the host waits
+        // for that, and the event reads as completed; nothing is recorded on the stream.
+        let during = s.event_record(7).unwrap();
+        assert!(ctl.take_recorded().is_empty());
+        assert!(
+            s.event_query(pre[1].0).unwrap(),
+            "the pre-capture work was waited for"
+        );
+        assert!(s.event_query(during).unwrap());
+        // Other streams are unaffected.
+        let other = s.event_record(6).unwrap();
+        s.stream_wait_event(6, before).unwrap();
+        assert!(!s.event_query(other).unwrap());
+        s.clear_capturing();
+        s.event_record(5).unwrap();
+        for e in [before, during, other] {
+            s.event_destroy(e);
+        }
     }
 
     #[test]

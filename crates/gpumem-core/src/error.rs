@@ -208,6 +208,10 @@ pub enum AllocError {
     /// A configuration value was not understood.
     #[error("configuration error: {0}")]
     Config(String),
+    /// A private pool (CUDA graph memory) was misused: an unknown pool, one ended or released
+    /// more often than begun, two captures into one pool at once.
+    #[error("private pool error: {0}")]
+    Pool(String),
 }
 
 impl AllocError {

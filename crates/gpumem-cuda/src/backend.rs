@@ -91,6 +91,14 @@ pub struct CudaBackend {
     physical: u64,
     physical_high: u64,
     probe: Option<Arc<PhysicalProbe>>,
+    /// A CUDA graph capture is underway (see [`Backend::set_capture_underway`]).
+    capture_underway: bool,
+}
+
+/// What one driver call runs under (see [`CudaBackend::bind`]); both are undone when it drops.
+struct CallScope {
+    _ctx: driver::ScopedContext,
+    _relaxed: Option<driver::RelaxedCapture>,
 }
 
 // `prop` (a driver structure with a Win32 metadata pointer) keeps the type from being `Send`
@@ -174,6 +182,7 @@ impl CudaBackend {
             physical: 0,
             physical_high: 0,
             probe: None,
+            capture_underway: false,
         })
     }
 
@@ -201,10 +210,19 @@ impl CudaBackend {
         self.physical
     }
 
-    /// Makes the device's context current for one call (the caller's is put back after).
+    /// Makes the device's context current for one call (the caller's is put back after), in
+    /// the relaxed capture mode while a CUDA graph capture is underway.
     #[inline]
-    fn bind(&self) -> Result<driver::ScopedContext, BackendError> {
-        driver::bind_scoped(&self.ctx)
+    fn bind(&self) -> Result<CallScope, BackendError> {
+        let relaxed = if self.capture_underway {
+            Some(driver::RelaxedCapture::enter()?)
+        } else {
+            None
+        };
+        Ok(CallScope {
+            _ctx: driver::bind_scoped(&self.ctx)?,
+            _relaxed: relaxed,
+        })
     }
 
     #[inline]
@@ -346,6 +364,10 @@ fn page_properties(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
 impl Backend for CudaBackend {
     fn info(&self) -> DeviceInfo {
         self.info.clone()
+    }
+
+    fn set_capture_underway(&mut self, underway: bool) {
+        self.capture_underway = underway;
     }
 
     fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
@@ -550,6 +572,23 @@ impl Backend for CudaBackend {
             self.idle_events.push(ev);
             return Err(e);
         }
+        self.live_events.insert(ev);
+        Ok(EventHandle(ev))
+    }
+
+    fn event_completed(&mut self) -> Result<EventHandle, BackendError> {
+        let _ctx = self.bind()?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: `e` is a valid place. A new event, never recorded, reads as completed
+        // (cuEventQuery returns CUDA_SUCCESS), which is what it stands for; a recycled one
+        // might still be waiting on its last record.
+        check(DriverCall::EventRecord, unsafe {
+            sys::cuEventCreate(
+                &mut e,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+            )
+        })?;
+        let ev = e as usize as u64;
         self.live_events.insert(ev);
         Ok(EventHandle(ev))
     }

@@ -59,6 +59,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGetDefaultMemPool",
     "cuMemPoolSetAttribute",
     "cuMemPoolTrimTo",
+    "cuThreadExchangeStreamCaptureMode",
 ];
 
 /// Checks once that the driver library can be loaded, exports every function gpumem uses, and
@@ -227,6 +228,39 @@ pub fn bind_scoped(ctx: &CudaContext) -> Result<ScopedContext, BackendError> {
     Ok(ScopedContext {
         previous: (!cur.is_null()).then_some(cur),
     })
+}
+
+/// The calling thread in the relaxed stream-capture mode for the length of one call, the
+/// thread's own mode put back when the guard drops. While a CUDA graph is captured in the
+/// global mode (PyTorch's default), the driver refuses calls that may synchronize (cuMemAlloc,
+/// cuMemFree, event waits...) from every thread and invalidates the capture; PyTorch's own
+/// allocator makes its cudaMalloc in the relaxed mode for that reason.
+#[must_use = "the thread's capture mode is put back when the guard drops"]
+pub struct RelaxedCapture {
+    previous: sys::CUstreamCaptureMode,
+}
+
+impl RelaxedCapture {
+    /// Switches the calling thread to the relaxed mode.
+    pub fn enter() -> Result<Self, BackendError> {
+        load()?;
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid place, read (the new mode) and written (the old one) by the
+        // driver; the call touches only the calling thread's state.
+        check_named("cuThreadExchangeStreamCaptureMode", unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+        })?;
+        Ok(Self { previous: mode })
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: as in `enter`; a failure leaves the thread relaxed, which refuses nothing,
+        // and there is nowhere to report it from a drop.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
 }
 
 /// (free, total) bytes of the current context's device.

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -33,6 +34,7 @@
 #include <string>
 #include <typeinfo>
 #include <utility>
+#include <vector>
 
 extern "C" {
 // Defined in Rust (src/torch_abi.rs). May throw what gpumem_shim_throw throws.
@@ -302,42 +304,141 @@ int gpumem_shim_call_alloc(size_t size, int device, void* stream, void** out, ch
 
 }  // extern "C"
 
-// CUDA graph capture and torch.cuda.MemPool ask the allocator to serve some streams from a
-// private pool (c10's beginAllocateToPool), so that the memory a graph uses is never handed to
-// another tensor while the graph may replay. gpumem has no such pools, and serving a capture
-// from its common cache would let eager tensors take a graph's memory after capture, which the
-// graph would then overwrite on replay. So the request fails, before the capture begins
-// (PyTorch calls this before cudaStreamBeginCapture), with a message that says so.
+// CUDA graph capture (torch.cuda.graph, make_graphed_callables) asks the allocator to serve the
+// capture's streams from a private pool (c10's beginAllocateToPool, called before
+// cudaStreamBeginCapture), so that the memory a graph uses is never handed to another tensor
+// while the graph may replay; endAllocateToPool when the capture ends; releasePool when the
+// graph is destroyed. The pool itself is gpumem's (Rust: gpumem_torch_pool_*); the shim keeps
+// what only C++ can hold, the filter PyTorch gives with each capture (a std::function that says
+// whether a stream takes part in it), and answers gpumem_torch_alloc's question, during a
+// capture, of which pool a request belongs to.
 //
-// The signature is PyTorch's (CUDAPluggableAllocator::set_begin_allocate_to_pool), spelled
-// without its headers: c10::cuda::MempoolId_t is std::pair<unsigned long long, unsigned long
-// long> and cudaStream_t is CUstream_st*. The native allocator (csrc/torch_allocator.cpp) calls
-// it too, so both paths refuse with the same words.
+// The signatures are PyTorch's (CUDAPluggableAllocator::set_begin_allocate_to_pool,
+// set_end_allocate_to_pool_fn, set_release_pool), spelled without its headers:
+// c10::cuda::MempoolId_t is std::pair<unsigned long long, unsigned long long> and cudaStream_t
+// is CUstream_st*. The native allocator (python/gpumem/csrc/torch_allocator.cpp) calls the
+// same three functions.
 struct CUstream_st;
+
+extern "C" {
+// Defined in Rust (src/torch_abi.rs): 0, or 1 with the reason in `err`.
+int gpumem_torch_pool_begin(int device, uint64_t first, uint64_t second, char* err,
+                            size_t err_len);
+int gpumem_torch_pool_end(int device, uint64_t first, uint64_t second, char* err,
+                          size_t err_len);
+int gpumem_torch_pool_release(int device, uint64_t first, uint64_t second, char* err,
+                              size_t err_len);
+}
 
 namespace {
 
-void begin_allocate_to_pool(int device, std::pair<unsigned long long, unsigned long long> pool,
-                            std::function<bool(CUstream_st*)> filter) {
-  (void)filter;
-  throw gpumem::Error(
-      "gpumem has no private memory pools, which CUDA graph capture (torch.cuda.graph, "
-      "make_graphed_callables, torch.compile(mode=\"reduce-overhead\")) and torch.cuda.MemPool "
-      "need (device " + std::to_string(device) + ", pool (" + std::to_string(pool.first) + ", " +
-      std::to_string(pool.second) + ")): gpumem would hand a captured graph's memory to other "
-      "tensors, which the graph would overwrite when it replays. Capture graphs with PyTorch's "
-      "own allocator, in a process that does not call gpumem.torch.install()");
+using PoolId = std::pair<unsigned long long, unsigned long long>;
+using StreamFilter = std::function<bool(CUstream_st*)>;
+
+struct Capture {
+  int device;
+  PoolId pool;
+  StreamFilter filter;
+};
+
+// The captures underway. Read by every allocation while one is (a handful at most).
+std::mutex g_captures_mutex;
+std::vector<Capture> g_captures;
+
+constexpr size_t kPoolErrLen = 1024;
+
+void begin_allocate_to_pool(int device, PoolId pool, StreamFilter filter) {
+  char err[kPoolErrLen] = {0};
+  if (gpumem_torch_pool_begin(device, pool.first, pool.second, err, sizeof err) != 0) {
+    throw gpumem::Error(std::string("cannot begin a CUDA graph capture: ") + err);
+  }
+  std::lock_guard<std::mutex> lock(g_captures_mutex);
+  g_captures.push_back(Capture{device, pool, std::move(filter)});
+}
+
+void end_allocate_to_pool(int device, PoolId pool) {
+  {
+    std::lock_guard<std::mutex> lock(g_captures_mutex);
+    for (auto it = g_captures.begin(); it != g_captures.end(); ++it) {
+      if (it->device == device && it->pool == pool) {
+        g_captures.erase(it);
+        break;
+      }
+    }
+  }
+  char err[kPoolErrLen] = {0};
+  if (gpumem_torch_pool_end(device, pool.first, pool.second, err, sizeof err) != 0) {
+    throw gpumem::Error(std::string("cannot end a CUDA graph capture: ") + err);
+  }
+}
+
+// Called from CUDAGraph::reset(), which runs in the graph's destructor: it must not throw.
+void release_pool(int device, PoolId pool) noexcept {
+  char err[kPoolErrLen] = {0};
+  if (gpumem_torch_pool_release(device, pool.first, pool.second, err, sizeof err) != 0) {
+    std::fprintf(stderr, "gpumem: warning: releasing a CUDA graph's pool: %s\n", err);
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-// The address of the hook above, for PyTorch's set_begin_allocate_to_pool and the native
-// allocator (Rust passes it on: a C++ symbol of a static library is not exported by the
-// wheel's shared library).
-const void* gpumem_shim_begin_allocate_to_pool_address(void) noexcept {
-  return reinterpret_cast<const void*>(&begin_allocate_to_pool);
+// The address of one of the hooks above (0 begin, 1 end, 2 release; null for another value),
+// for PyTorch's setters and the native allocator (Rust passes them on: a C++ symbol of a
+// static library is not exported by the wheel's shared library).
+const void* gpumem_shim_pool_hook_address(int which) noexcept {
+  switch (which) {
+    case 0:
+      return reinterpret_cast<const void*>(&begin_allocate_to_pool);
+    case 1:
+      return reinterpret_cast<const void*>(&end_allocate_to_pool);
+    case 2:
+      return reinterpret_cast<const void*>(&release_pool);
+    default:
+      return nullptr;
+  }
+}
+
+// Which capture's pool a request on `stream` of `device` belongs to: 1 with the pool in
+// out[0], out[1], or 0 when none (no capture on the device, or the stream takes part in none).
+int gpumem_shim_capture_pool(int device, void* stream, uint64_t* out) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(g_captures_mutex);
+    for (const Capture& c : g_captures) {
+      if (c.device == device && c.filter && c.filter(static_cast<CUstream_st*>(stream))) {
+        out[0] = c.pool.first;
+        out[1] = c.pool.second;
+        return 1;
+      }
+    }
+  } catch (...) {
+    // A filter that throws (its CUDA query failed) does not claim the request.
+  }
+  return 0;
+}
+
+// For the tests without a GPU: a capture of pool (first, second) on `device` whose filter takes
+// exactly the stream `stream`, begun and ended as PyTorch's CUDAGraph does (through the hooks
+// above). Returns 0, or 1 with the exception's message in `err`.
+int gpumem_shim_test_capture(int begin, int device, uint64_t first, uint64_t second,
+                             void* stream, char* err, size_t err_len) noexcept {
+  try {
+    PoolId pool{first, second};
+    if (begin) {
+      begin_allocate_to_pool(device, pool,
+                             [stream](CUstream_st* s) { return static_cast<void*>(s) == stream; });
+    } else {
+      end_allocate_to_pool(device, pool);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    if (err != nullptr && err_len > 0) {
+      std::strncpy(err, e.what(), err_len - 1);
+      err[err_len - 1] = 0;
+    }
+    return 1;
+  }
 }
 
 }  // extern "C"

@@ -8,6 +8,7 @@
 
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::{Backend, DevPtr, Stream};
+use gpumem_core::engine::PoolId;
 use gpumem_core::units::H200_TOTAL_BYTES;
 use gpumem_core::{AllocError, Allocator, Config, MemoryStats};
 use parking_lot::Mutex;
@@ -536,8 +537,22 @@ impl Registry {
         device: i32,
         stream: Stream,
     ) -> Result<(DevPtr, u64), TorchError> {
+        self.alloc_routed(size, device, stream, crate::torch_abi::capture_pool)
+    }
+
+    /// [`Registry::alloc_sized`], where while a CUDA graph capture is underway
+    /// `pool_of(device, stream)` says which private pool, if any, the request belongs to (the
+    /// shim asks the captures' own filters); otherwise it is not called.
+    #[inline]
+    fn alloc_routed(
+        &self,
+        size: u64,
+        device: i32,
+        stream: Stream,
+        pool_of: impl FnOnce(usize, Stream) -> Option<PoolId>,
+    ) -> Result<(DevPtr, u64), TorchError> {
         let t = self.clock.start();
-        let r = self.alloc_untimed(size, device, stream);
+        let r = self.alloc_untimed(size, device, stream, pool_of);
         self.clock.stop(Hook::Alloc, t);
         r
     }
@@ -548,16 +563,55 @@ impl Registry {
         size: u64,
         device: i32,
         stream: Stream,
+        pool_of: impl FnOnce(usize, Stream) -> Option<PoolId>,
     ) -> Result<(DevPtr, u64), TorchError> {
         if size == 0 {
             return Ok((0, 0));
         }
         let d = device_index(device)?;
         let slot = self.device(d)?;
+        let pool = if slot.alloc.pools_filling() {
+            pool_of(d, stream)
+        } else {
+            None
+        };
+        match pool {
+            None => slot.alloc.allocate(size, stream),
+            Some(id) => slot.alloc.allocate_in_pool(size, stream, id),
+        }
+        .map(|a| (a.ptr, a.size))
+        .map_err(|e| torch_error(d, size, e))
+    }
+
+    /// A CUDA graph capture begins filling private pool `id` on `device` (c10's
+    /// `beginAllocateToPool`); see [`gpumem_core::Allocator::begin_pool`].
+    pub fn pool_begin(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
+        let slot = self.device(device)?;
         slot.alloc
-            .allocate(size, stream)
-            .map(|a| (a.ptr, a.size))
-            .map_err(|e| torch_error(d, size, e))
+            .begin_pool(id)
+            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    }
+
+    /// The capture filling pool `id` ended (c10's `endAllocateToPool`).
+    pub fn pool_end(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
+        let slot = self.device(device)?;
+        slot.alloc
+            .end_pool(id)
+            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    }
+
+    /// A graph using pool `id` was destroyed (c10's `releasePool`).
+    pub fn pool_release(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
+        let slot = self.device(device)?;
+        slot.alloc
+            .release_pool(id)
+            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    }
+
+    /// Users of pool `id` on `device` (c10's `getPoolUseCount`); 0 where gpumem never
+    /// allocated.
+    pub fn pool_use_count(&self, device: usize, id: PoolId) -> u32 {
+        self.get(device).map_or(0, |s| s.alloc.pool_use_count(id))
     }
 
     /// Frees for PyTorch. Never fails: misuse is counted and reported once on stderr.

@@ -15,7 +15,14 @@
 //! | [`gpumem_torch_reset_accumulated_stats`] | the native allocator's `resetAccumulatedStats` | `int (int device)` |
 //! | [`gpumem_torch_memory_fraction`] | the native allocator's `getMemoryFraction` | `double (int device)` |
 //! | [`gpumem_torch_limit_and_free`] | the native allocator's out-of-memory observers | `int (int device, uint64_t out[2])` |
-//! | [`gpumem_torch_begin_allocate_to_pool_address`] | the address of `set_begin_allocate_to_pool`'s hook and of the native allocator's `beginAllocateToPool` (both refuse) | `size_t ()` |
+//! | [`gpumem_torch_pool_hook_address`] | the addresses of the C++ hooks of CUDA graph capture: `set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`, `set_release_pool` (and the native allocator's methods of the same names) | `size_t (int which)` |
+//! | [`gpumem_torch_pool_begin`], [`gpumem_torch_pool_end`], [`gpumem_torch_pool_release`] | what those hooks call: a private pool begun, ended, released | `int (int device, uint64_t first, uint64_t second, char* err, size_t err_len)` |
+//! | [`gpumem_torch_pool_use_count`] | the native allocator's `getPoolUseCount` | `int (int device, uint64_t first, uint64_t second)` |
+//!
+//! CUDA graphs (`torch.cuda.graph`, `make_graphed_callables`) get private pools: while a
+//! capture is underway, an allocation asks the shim which pool, if any, the stream's request
+//! belongs to (the shim runs the filters PyTorch gave with each capture), and serves
+//! it from that pool (see `gpumem_core::engine::pools`).
 //!
 //! The allocation and free functions tell PyTorch's memory profiler of each block they hand out
 //! or take back while it records memory (`torch.profiler` with `profile_memory=True`), as
@@ -51,7 +58,17 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn gpumem_shim_oom_is_c10() -> c_int;
-    fn gpumem_shim_begin_allocate_to_pool_address() -> *const c_void;
+    fn gpumem_shim_pool_hook_address(which: c_int) -> *const c_void;
+    fn gpumem_shim_capture_pool(device: c_int, stream: *mut c_void, out: *mut u64) -> c_int;
+    fn gpumem_shim_test_capture(
+        begin: c_int,
+        device: c_int,
+        first: u64,
+        second: u64,
+        stream: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn gpumem_shim_profiler_records_memory() -> c_int;
     fn gpumem_shim_profiler_report(
         ptr: *mut c_void,
@@ -111,6 +128,55 @@ pub extern "C-unwind" fn gpumem_torch_alloc(
         }
     }
     ptr as *mut c_void
+}
+
+/// The private pool of the capture `stream` takes part in on `device`, if any (asked only
+/// while a capture is underway): the shim runs the filters PyTorch gave with the captures.
+#[cold]
+pub(crate) fn capture_pool(device: usize, stream: u64) -> Option<(u64, u64)> {
+    let mut id = [0u64; 2];
+    // SAFETY: `id` is valid for the two writes the shim makes when it answers 1; the shim
+    // function is noexcept (a filter that throws counts as not matching). The stream is only
+    // passed to the filters, never dereferenced here.
+    let found = unsafe {
+        gpumem_shim_capture_pool(
+            device as c_int,
+            stream as usize as *mut c_void,
+            id.as_mut_ptr(),
+        )
+    };
+    (found == 1).then_some((id[0], id[1]))
+}
+
+/// For the tests: begins (`begin`) or ends a capture of `pool` on `device` whose filter takes
+/// exactly `stream`, through the shim's own hooks; the error is what the hook threw.
+pub fn test_capture(
+    begin: bool,
+    device: c_int,
+    pool: (u64, u64),
+    stream: u64,
+) -> Result<(), String> {
+    let mut err = [0 as c_char; 1024];
+    // SAFETY: `err` is valid for `err.len()` writes; the shim function is noexcept and only
+    // compares `stream` with the streams its filter is asked about.
+    let rc = unsafe {
+        gpumem_shim_test_capture(
+            c_int::from(begin),
+            device,
+            pool.0,
+            pool.1,
+            stream as usize as *mut c_void,
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    // SAFETY: on failure the shim wrote a NUL-terminated message (strncpy, last byte zeroed).
+    Err(unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
 }
 
 /// Whether PyTorch's profiler records memory on this thread (never before [`bind_c10`]).
@@ -394,16 +460,115 @@ pub unsafe extern "C" fn gpumem_torch_limit_and_free(device: c_int, out: *mut u6
     0
 }
 
-/// The address of the shim's `begin_allocate_to_pool` hook (`shim/torch_shim.cpp`), which
-/// refuses CUDA graph capture and `torch.cuda.MemPool` with a message that says why (gpumem has
-/// no private pools): for `CUDAPluggableAllocator.set_begin_allocate_to_pool` and the native
-/// allocator's `beginAllocateToPool`. Its signature is C++'s (`void(int,
-/// c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)`), so it is handed over as an
-/// address and only ever called from C++.
+/// Which C++ hook [`gpumem_torch_pool_hook_address`] gives: c10's `beginAllocateToPool`
+/// (`void(int, MempoolId_t, std::function<bool(cudaStream_t)>)`), `endAllocateToPool` and
+/// `releasePool` (both `void(int, MempoolId_t)`).
+pub const POOL_HOOK_BEGIN: c_int = 0;
+/// See [`POOL_HOOK_BEGIN`].
+pub const POOL_HOOK_END: c_int = 1;
+/// See [`POOL_HOOK_BEGIN`].
+pub const POOL_HOOK_RELEASE: c_int = 2;
+
+/// The address of one of the shim's CUDA graph hooks (`shim/torch_shim.cpp`; `which` is one
+/// of the `POOL_HOOK_*` values), for `CUDAPluggableAllocator`'s setters and the native
+/// allocator; 0 for another value. Their signatures are C++'s, so they are handed over as
+/// addresses and only ever called from C++.
 #[no_mangle]
-pub extern "C" fn gpumem_torch_begin_allocate_to_pool_address() -> usize {
-    // SAFETY: returns the address of a function defined in the shim; no arguments, no state.
-    unsafe { gpumem_shim_begin_allocate_to_pool_address() as usize }
+pub extern "C" fn gpumem_torch_pool_hook_address(which: c_int) -> usize {
+    // SAFETY: returns the address of a function defined in the shim, or null; no state.
+    unsafe { gpumem_shim_pool_hook_address(which) as usize }
+}
+
+/// A CUDA graph capture begins filling private pool (`first`, `second`) on `device`. Returns
+/// 0, or 1 with the reason in `err` (NUL-terminated, cut to `err_len`), which the shim throws.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_pool_begin(
+    device: c_int,
+    first: u64,
+    second: u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    pool_call(device, err, err_len, |d| {
+        global().pool_begin(d, (first, second))
+    })
+}
+
+/// The capture filling pool (`first`, `second`) on `device` ended. As
+/// [`gpumem_torch_pool_begin`].
+#[no_mangle]
+pub extern "C" fn gpumem_torch_pool_end(
+    device: c_int,
+    first: u64,
+    second: u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    pool_call(device, err, err_len, |d| {
+        global().pool_end(d, (first, second))
+    })
+}
+
+/// A graph using pool (`first`, `second`) on `device` was destroyed. As
+/// [`gpumem_torch_pool_begin`].
+#[no_mangle]
+pub extern "C" fn gpumem_torch_pool_release(
+    device: c_int,
+    first: u64,
+    second: u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    pool_call(device, err, err_len, |d| {
+        global().pool_release(d, (first, second))
+    })
+}
+
+/// Users of pool (`first`, `second`) on `device`: the graphs captured into it and not yet
+/// destroyed (0 for an unknown pool or device).
+#[no_mangle]
+pub extern "C" fn gpumem_torch_pool_use_count(device: c_int, first: u64, second: u64) -> c_int {
+    let Ok(d) = device_index(device) else {
+        return 0;
+    };
+    catch_unwind(|| global().pool_use_count(d, (first, second)))
+        .map_or(0, |n| n.min(c_int::MAX as u32) as c_int)
+}
+
+fn pool_call(
+    device: c_int,
+    err: *mut c_char,
+    err_len: usize,
+    f: impl FnOnce(usize) -> Result<(), TorchError>,
+) -> c_int {
+    let r = match device_index(device) {
+        Ok(d) => catch_unwind(AssertUnwindSafe(|| f(d))).unwrap_or_else(|_| {
+            Err(TorchError::Other(
+                "gpumem: internal error (a panic) in a private-pool call".into(),
+            ))
+        }),
+        Err(e) => Err(e),
+    };
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            write_c_string(e.message(), err, err_len);
+            1
+        }
+    }
+}
+
+/// Copies `text` into `out` (room for `len` bytes), cut to fit and NUL-terminated.
+fn write_c_string(text: &str, out: *mut c_char, len: usize) {
+    if out.is_null() || len == 0 {
+        return;
+    }
+    let n = text.len().min(len - 1);
+    // SAFETY: the caller guarantees `out` is valid for `len` writes; n + 1 <= len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), out.cast::<u8>(), n);
+        *out.add(n) = 0;
+    }
 }
 
 /// Makes out-of-memory failures `c10::OutOfMemoryError`s (so that Python sees
@@ -656,8 +821,20 @@ mod tests {
             unsafe { gpumem_torch_limit_and_free(-2, limit_free.as_mut_ptr()) },
             1
         );
-        // The private-pool refusal is C++ (called only from C++; the Python tests call it).
-        assert_ne!(gpumem_torch_begin_allocate_to_pool_address(), 0);
+        // The CUDA graph hooks are C++ (called only from C++; the Python tests run them).
+        for which in [POOL_HOOK_BEGIN, POOL_HOOK_END, POOL_HOOK_RELEASE] {
+            assert_ne!(gpumem_torch_pool_hook_address(which), 0);
+        }
+        assert_eq!(gpumem_torch_pool_hook_address(3), 0);
+        let mut err = [0 as c_char; 64];
+        assert_eq!(
+            gpumem_torch_pool_begin(-1, 1, 0, err.as_mut_ptr(), err.len()),
+            1
+        );
+        // SAFETY: the function wrote a NUL-terminated message into `err`.
+        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        assert!(msg.to_string_lossy().contains("device"), "{msg:?}");
+        assert_eq!(gpumem_torch_pool_use_count(-1, 1, 0), 0);
         assert!(!oom_is_c10());
         assert!(bind_c10("/nonexistent/libc10.so", "/nonexistent/libc10_cuda.so").is_err());
     }

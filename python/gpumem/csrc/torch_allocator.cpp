@@ -21,8 +21,9 @@
 // - answers c10's statistics and the memory fraction (getDeviceStats, resetPeakStats,
 //   resetAccumulatedStats, getMemoryFraction), so torch._C's own functions read gpumem's;
 // - calls the out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer).
-// CUDA graph capture and MemPools need private pools, which gpumem does not have: both paths
-// refuse them with a clear error. Snapshots and history are gpumem's own Python functions
+// CUDA graph capture gets private pools, through the same three C++ hooks as on the pluggable
+// path (crates/gpumem-py/shim/torch_shim.cpp), and getPoolUseCount answers from gpumem;
+// torch.cuda.MemPool (createOrIncrefPool) is not supported. Snapshots and history are gpumem's own Python functions
 // (install() points torch.cuda's at them); the rest raises a clear error. PyTorch's memory
 // profiler (torch.profiler with profile_memory=True) is told of each allocation and free by
 // gpumem's hooks themselves, as on the pluggable path (crates/gpumem-py/src/torch_abi.rs).
@@ -62,9 +63,11 @@ using DeviceStatsFn = size_t (*)(int device, int64_t* out, size_t len);
 using ResetStatsFn = int (*)(int device);
 using LimitAndFreeFn = int (*)(int device, uint64_t* out);
 using MemoryFractionFn = double (*)(int device);
-// The shim's refusal of private pools (crates/gpumem-py/shim/torch_shim.cpp): it throws.
+using PoolUseCountFn = int (*)(int device, uint64_t first, uint64_t second);
+// The shim's CUDA graph hooks (crates/gpumem-py/shim/torch_shim.cpp); begin and end may throw.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
+using PoolFn = void (*)(int device, c10::cuda::MempoolId_t pool);
 
 // The number of values DeviceStatsFn writes, in c10's DeviceStats order (torch_abi.rs,
 // DEVICE_STATS_LEN): nine StatArrays of three pools of four values, then five counters.
@@ -84,7 +87,10 @@ struct Hooks {
   ResetStatsFn reset_accumulated_stats = nullptr;
   LimitAndFreeFn limit_and_free = nullptr;
   MemoryFractionFn memory_fraction = nullptr;
+  PoolUseCountFn pool_use_count = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
+  PoolFn end_allocate_to_pool = nullptr;
+  PoolFn release_pool = nullptr;
 };
 
 // Written once by gpumem_native_install before the allocator is published to PyTorch (an
@@ -257,15 +263,21 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   }
   // As the pluggable allocator: a block is its own base allocation.
   void* getBaseAllocation(void* ptr, size_t* /*size*/) override { return ptr; }
-  // CUDA graph capture and torch.cuda.MemPool: gpumem has no private pools, so the request
-  // throws (before the capture begins), saying why; the pluggable path refuses through the
-  // same hook. The other two are only ever called after a begin that succeeded.
+  // CUDA graph capture: the capture's streams are served from a private pool of gpumem's
+  // between begin and end; the pool's memory stays the graph's until releasePool.
   void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool,
                            std::function<bool(cudaStream_t)> filter) override {
     hooks.begin_allocate_to_pool(device, pool, std::move(filter));
   }
-  void endAllocateToPool(c10::DeviceIndex, c10::MempoolId_t) override {}
-  void releasePool(c10::DeviceIndex, c10::MempoolId_t) override {}
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    hooks.end_allocate_to_pool(device, pool);
+  }
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    hooks.release_pool(device, pool);
+  }
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t pool) override {
+    return hooks.pool_use_count(device, pool.first, pool.second);
+  }
   std::string name() override { return "gpumem"; }
 
   // Statistics under PyTorch's names, so that torch._C's own functions (and C++ callers of
@@ -356,8 +368,9 @@ extern "C" int gpumem_native_install(const uintptr_t* addresses, int count, char
   auto fields = std::make_tuple(&h.alloc, &h.free, &h.free_any, &h.record_stream,
                                 &h.empty_cache, &h.set_fraction, &h.cache_info, &h.device_stats,
                                 &h.reset_peak_stats, &h.reset_accumulated_stats,
-                                &h.limit_and_free, &h.memory_fraction,
-                                &h.begin_allocate_to_pool);
+                                &h.limit_and_free, &h.memory_fraction, &h.pool_use_count,
+                                &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
+                                &h.release_pool);
   constexpr int kHooks = static_cast<int>(std::tuple_size<decltype(fields)>::value);
   if (addresses == nullptr || count != kHooks) {
     report(err, err_len,

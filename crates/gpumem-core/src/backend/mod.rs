@@ -322,6 +322,20 @@ pub trait Backend: Send {
     fn is_simulated(&self) -> bool {
         false
     }
+    /// A CUDA graph capture is underway (or no longer is): until told otherwise, the backend
+    /// makes its calls in the relaxed capture mode, as PyTorch's allocator does, so that a
+    /// capture begun in the global mode neither refuses them nor is invalidated by them. (Only
+    /// while one is underway: the mode switch is two more driver calls.)
+    fn set_capture_underway(&mut self, _underway: bool) {}
+    /// An event that reads as completed (made, never recorded). What stands for a point of a
+    /// capturing stream's work, none of which runs before the graph is launched (see
+    /// `DeviceState::event_record`).
+    fn event_completed(&mut self) -> Result<EventHandle, BackendError> {
+        Err(BackendError::new(
+            DriverCall::EventRecord,
+            "this backend cannot make an event that reads as completed",
+        ))
+    }
     /// (free, total) bytes of the device.
     fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError>;
     /// Allocates a plain segment (cuMemAlloc).

@@ -508,6 +508,14 @@ impl Backend for SimBackend {
         Ok(h)
     }
 
+    fn event_completed(&mut self) -> Result<EventHandle, BackendError> {
+        let mut ev = self.events.lock();
+        ev.next += 1;
+        let h = EventHandle(ev.next);
+        ev.done.insert(h.0, true);
+        Ok(h)
+    }
+
     fn event_query(&mut self, event: EventHandle) -> Result<bool, BackendError> {
         self.events
             .lock()

@@ -3,6 +3,7 @@
 //! split of state into one shard per stream so that threads on different streams never share
 //! a lock on the hot path.
 
+pub mod pools;
 pub mod streams;
 pub mod track;
 
@@ -13,7 +14,10 @@ use crate::error::{AllocError, BackendError, OomReport};
 use crate::policy::{Placement, PolicyFactory, PolicyKind, SegmentInfo};
 use crate::stats::MemoryStats;
 use parking_lot::Mutex;
+pub use pools::PoolId;
+use pools::{is_pool_key, Pools};
 use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use streams::StreamTable;
 pub use streams::MAX_STREAMS;
@@ -36,6 +40,10 @@ pub struct Allocation {
 struct Pending {
     addr: DevPtr,
     events: Vec<EventHandle>,
+    /// Streams whose events are still to be recorded: the block was freed while a capture was
+    /// underway, when an event recorded on a capturing stream would become part of the graph
+    /// and could not be queried. Recorded at the first poll after the captures end.
+    deferred: Vec<Stream>,
 }
 
 struct ShardState {
@@ -50,6 +58,8 @@ struct ShardState {
     retries: i64,
     ooms: i64,
     syncs: i64,
+    /// A private pool in use (see [`pools`]): its cached memory is never released.
+    kept: bool,
 }
 
 /// The lock of a shard: a spin lock whose waiters yield the CPU. Uncontended (the common case:
@@ -86,6 +96,11 @@ pub struct Allocator {
     /// The statistics at the last [`Allocator::reset_accumulated_stats`], whose totals and
     /// counters [`Allocator::memory_stats`] subtracts (the policies' own only ever grow).
     accumulated_base: Mutex<Option<MemoryStats>>,
+    /// Private pools (CUDA graphs' memory).
+    pools: Mutex<Pools>,
+    /// Pools being filled by a capture now. While any is, no event is recorded or queried and
+    /// no memory is given back (see [`Allocator::begin_pool`]).
+    filling: AtomicUsize,
 }
 
 impl Allocator {
@@ -157,6 +172,8 @@ impl Allocator {
             first_stream: Mutex::new((None, false)),
             cap_fraction: Mutex::new(cap_fraction),
             accumulated_base: Mutex::new(None),
+            pools: Mutex::new(Pools::default()),
+            filling: AtomicUsize::new(0),
         })
     }
 
@@ -224,6 +241,7 @@ impl Allocator {
                         retries: 0,
                         ooms: 0,
                         syncs: 0,
+                        kept: false,
                     }),
                 }
             })
@@ -434,11 +452,22 @@ impl Allocator {
         stream: Stream,
         wait: bool,
     ) -> Result<(), BackendError> {
+        if self.pools_filling() {
+            // While a capture is underway an event may be neither queried nor waited on (one
+            // recorded on a capturing stream is part of the graph): the blocks wait.
+            return Ok(());
+        }
         let dev = &*self.device;
         let mut i = 0;
         while i < st.pending.len() {
             let done = {
                 let mut d = dev.lock();
+                let p = &mut st.pending[i];
+                // Freed during a capture: the events are recorded now that none is underway.
+                while let Some(&s) = p.deferred.last() {
+                    p.events.push(d.event_record(s)?);
+                    p.deferred.pop();
+                }
                 let mut all = true;
                 for &e in &st.pending[i].events {
                     if wait {
@@ -512,7 +541,8 @@ impl Allocator {
     #[inline]
     pub fn free_allocation(&self, a: &Allocation) -> Result<(), AllocError> {
         match self.shards.slot(a.shard as usize) {
-            Some(sh) if sh.stream == a.stream => {
+            // (A private pool's block was handed out on a stream, from the pool's shard.)
+            Some(sh) if sh.stream == a.stream || is_pool_key(sh.stream) => {
                 if self.try_free_in(sh, a.ptr, Some(a.handle))?.is_some() {
                     Ok(())
                 } else {
@@ -576,7 +606,12 @@ impl Allocator {
         // Used on other streams: an event on each of them first, so that if the driver
         // refuses one the block stays live, its uses recorded, and the free can be retried.
         let mut events = Vec::new();
-        if let Some(streams) = uses.as_ref() {
+        let mut deferred = Vec::new();
+        if let Some(streams) = uses.as_ref().filter(|_| self.pools_filling()) {
+            // No event may be recorded while a capture is underway: recorded at the first
+            // poll after it (see `poll_events`), the block waiting until then.
+            deferred = streams.clone();
+        } else if let Some(streams) = uses.as_ref() {
             let mut d = self.device.lock();
             for &s in streams {
                 match d.event_record(s) {
@@ -608,7 +643,11 @@ impl Allocator {
             Some(_) => st.policy.free_requested(ptr, &self.device),
         };
         if freed.is_some() && uses.is_some() {
-            st.pending.push(Pending { addr: ptr, events });
+            st.pending.push(Pending {
+                addr: ptr,
+                events,
+                deferred,
+            });
         }
         Ok(freed)
     }
@@ -671,13 +710,36 @@ impl Allocator {
         Ok(())
     }
 
+    /// Returns every cached byte no live block uses to the device, except what private pools
+    /// in use hold; then forgets the unused pools left empty. Nothing while a capture is
+    /// underway (the driver refuses frees and event waits then).
     fn release_all_cached(&self) -> Result<u64, AllocError> {
+        if self.pools_filling() {
+            return Ok(0);
+        }
         self.synchronize_events()?;
         let mut freed = 0;
         for (_, sh) in self.shards.iter() {
-            freed += sh.state.lock().policy.release_cached(&self.device)?;
+            let mut st = sh.state.lock();
+            if !st.kept {
+                freed += st.policy.release_cached(&self.device)?;
+            }
         }
+        self.retire_pools();
         Ok(freed)
+    }
+
+    /// Forgets the private pools no one uses whose shards hold nothing any more.
+    fn retire_pools(&self) {
+        let mut pools = self.pools.lock();
+        for (id, key) in pools.unused() {
+            if let Some((_, sh)) = self.shards.get(key) {
+                let st = sh.state.lock();
+                if st.pending.is_empty() && st.policy.segments().is_empty() {
+                    pools.retire(id);
+                }
+            }
+        }
     }
 
     /// Returns every cached byte that no live block uses to the device
@@ -826,7 +888,11 @@ impl Allocator {
 
     /// Streams seen so far.
     pub fn streams(&self) -> Vec<Stream> {
-        self.shards.iter().map(|(_, s)| s.stream).collect()
+        self.shards
+            .iter()
+            .map(|(_, s)| s.stream)
+            .filter(|&s| !is_pool_key(s))
+            .collect()
     }
 
     /// Records an event in the tracker, if any, after the segment events that preceded it.
@@ -861,6 +927,127 @@ impl Allocator {
             self.collect_segment_events(&mut t);
             f(&t)
         })
+    }
+
+    /// Starts filling private pool `id`, made on its first use, which gains a user (PyTorch's
+    /// `beginAllocateToPool`, called as a CUDA graph capture begins). Until
+    /// [`Allocator::end_pool`], [`Allocator::allocate_in_pool`] serves from it. While any pool
+    /// is being filled, no event is recorded or queried and no memory is given back to the
+    /// device, which a capture forbids: frees of blocks used on other streams wait, and an
+    /// allocation that finds no room fails without emptying the cache.
+    ///
+    /// A pool's memory is its own until its last user is gone ([`Allocator::release_pool`]):
+    /// blocks freed in it are reused only by allocations in it, and
+    /// [`Allocator::empty_cache`] leaves it.
+    pub fn begin_pool(&self, id: PoolId) -> Result<(), AllocError> {
+        let mut pools = self.pools.lock();
+        let key = pools.begin(id).map_err(AllocError::Pool)?.key;
+        match self.pool_shard(key) {
+            Ok((_, sh)) => sh.state.lock().kept = true,
+            Err(e) => {
+                // The stream table is full: the pool is given up as if never begun.
+                let _ = pools.end(id);
+                if let Ok((_, false)) = pools.release(id) {
+                    pools.retire(id);
+                }
+                return Err(e);
+            }
+        }
+        if self.filling.fetch_add(1, Ordering::AcqRel) == 0 {
+            let streams = self.streams();
+            self.device.lock().begin_capture(&streams);
+        }
+        Ok(())
+    }
+
+    /// The capture filling private pool `id` ended (PyTorch's `endAllocateToPool`); the pool
+    /// keeps its user until [`Allocator::release_pool`].
+    pub fn end_pool(&self, id: PoolId) -> Result<(), AllocError> {
+        let mut pools = self.pools.lock();
+        pools.end(id).map_err(AllocError::Pool)?;
+        if self.filling.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.device.lock().clear_capturing();
+        }
+        Ok(())
+    }
+
+    /// A user of private pool `id` is gone (PyTorch's `releasePool`, when a graph is
+    /// destroyed). With the last one, the pool's cached memory is given back at the next
+    /// [`Allocator::empty_cache`] or out-of-memory retry, and its blocks still live return it
+    /// when freed.
+    pub fn release_pool(&self, id: PoolId) -> Result<(), AllocError> {
+        let mut pools = self.pools.lock();
+        let (key, in_use) = pools.release(id).map_err(AllocError::Pool)?;
+        if !in_use {
+            if let Some((_, sh)) = self.shards.get(key) {
+                sh.state.lock().kept = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Users of private pool `id` (0 if there is no such pool): PyTorch's `getPoolUseCount`.
+    pub fn pool_use_count(&self, id: PoolId) -> u32 {
+        self.pools.lock().users(id)
+    }
+
+    /// Private pools that exist (in use, or unused but still holding memory).
+    pub fn pool_count(&self) -> usize {
+        self.pools.lock().len()
+    }
+
+    /// Whether a capture is filling a private pool now: the one check an allocation hook makes
+    /// before asking which pool, if any, a request belongs to.
+    #[inline]
+    pub fn pools_filling(&self) -> bool {
+        self.filling.load(Ordering::Acquire) != 0
+    }
+
+    /// Allocates `size` bytes for use on `stream` from private pool `id`, which a capture must
+    /// be filling ([`Allocator::begin_pool`]). Freed, the block returns to the pool.
+    pub fn allocate_in_pool(
+        &self,
+        size: u64,
+        stream: Stream,
+        id: PoolId,
+    ) -> Result<Allocation, AllocError> {
+        if size == 0 || size > self.device.info().total_bytes {
+            return Err(self.invalid_size(size, stream));
+        }
+        let key = self.pools.lock().filling_key(id).ok_or_else(|| {
+            AllocError::Pool(format!(
+                "private pool ({}, {}) is not being filled by a capture",
+                id.0, id.1
+            ))
+        })?;
+        let (idx, shard) = self.pool_shard(key)?;
+        // The stream is capturing: no event may be recorded on it until the capture ends.
+        self.device.lock().note_capturing(stream);
+        match self.place(shard, size, false)? {
+            Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
+            Err(e) => self.allocate_again(size, stream, idx, shard, e),
+        }
+    }
+
+    /// The shard of the private pool under `key`, made on first use: always the caching
+    /// policy over plain segments, whatever the configured policy (see [`pools`]).
+    fn pool_shard(&self, key: Stream) -> Result<(u32, &Shard), AllocError> {
+        self.shards
+            .get_or_insert(key, || Shard {
+                stream: key,
+                state: ShardLock::new(ShardState {
+                    policy: Box::new(crate::policy::segmented::Segmented::caching(key)),
+                    first_tier: None,
+                    uses: FxHashMap::default(),
+                    pending: Vec::new(),
+                    retries: 0,
+                    ooms: 0,
+                    syncs: 0,
+                    kept: true,
+                }),
+            })
+            .map(|(i, s)| (i as u32, s))
+            .ok_or(AllocError::TooManyStreams { limit: MAX_STREAMS })
     }
 
     /// Checks every policy's invariants (tests and fuzzing).

@@ -61,7 +61,8 @@ pub(crate) fn to_pyerr(e: AllocError) -> PyErr {
         AllocError::Config(_) => PyValueError::new_err(msg),
         AllocError::Backend(_)
         | AllocError::TooManyStreams { .. }
-        | AllocError::ReservedStream { .. } => GpumemError::new_err(msg),
+        | AllocError::ReservedStream { .. }
+        | AllocError::Pool(_) => GpumemError::new_err(msg),
     }
 }
 

@@ -7,7 +7,7 @@ use crate::registry::{
     global, sim_source, ConfigureError, FreeOutcome, HistoryRequest, TorchError, MAX_DEVICES,
 };
 use crate::stats::stats_json_text;
-use crate::torch_abi::{bind_c10, call_alloc_from_cpp, oom_is_c10, CallOutcome};
+use crate::torch_abi::{bind_c10, call_alloc_from_cpp, oom_is_c10, test_capture, CallOutcome};
 use gpumem_core::policy::BlockKind;
 use gpumem_core::report::leaks::LeakReport;
 use gpumem_core::report::snapshot::{snapshot_pickle, write_pickle, write_snapshot};
@@ -339,6 +339,27 @@ fn torch_sim_complete_events(device_index: i64) -> PyResult<usize> {
     Ok(global().sim_complete_events(device(device_index)?))
 }
 
+/// For the tests without a GPU: begins (`begin`) or ends a CUDA graph capture of pool
+/// (`first`, `second`) on `device` whose filter takes exactly `stream`, through the shim's
+/// hooks as PyTorch's CUDAGraph calls them. Raises GpumemError with what the hook threw.
+#[pyfunction]
+fn torch_test_capture(
+    begin: bool,
+    device_index: i32,
+    first: u64,
+    second: u64,
+    stream: u64,
+) -> PyResult<()> {
+    test_capture(begin, device_index, (first, second), stream).map_err(GpumemError::new_err)
+}
+
+/// Users of private pool (`first`, `second`) on `device`: graphs captured into it and not yet
+/// destroyed (c10's getPoolUseCount).
+#[pyfunction]
+fn torch_pool_use_count(device_index: i64, first: u64, second: u64) -> PyResult<u32> {
+    Ok(global().pool_use_count(device(device_index)?, (first, second)))
+}
+
 /// The device whose gpumem allocator handed out the live block containing `ptr`, or None.
 #[pyfunction]
 fn torch_owner_device(ptr: u64) -> Option<usize> {
@@ -392,6 +413,8 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_profiler_bound, m)?)?;
     m.add_function(wrap_pyfunction!(torch_sim_complete_events, m)?)?;
     m.add_function(wrap_pyfunction!(torch_owner_device, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_test_capture, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_pool_use_count, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     Ok(())
 }

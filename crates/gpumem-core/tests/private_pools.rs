@@ -1,0 +1,248 @@
+//! Private pools (CUDA graphs' memory): what a capture allocates stays the pool's while the
+//! pool has users, no matter what the rest of the program allocates, frees or empties; during
+//! a capture no event is recorded or queried and nothing is given back to the device.
+
+// Only the audited device's setup is used here, not the trace replay beside it.
+#[allow(dead_code)]
+mod common;
+
+use common::audited_sim;
+use gpumem_core::backend::DriverCall;
+use gpumem_core::error::AllocError;
+use gpumem_core::Allocator;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// A capture stream and an eager stream, as PyTorch's handles would be.
+const CAPTURE: u64 = 0x7f00_0000_1000;
+const SIDE: u64 = 0x7f00_0000_2000;
+const GRAPH: (u64, u64) = (1, 0);
+
+fn every_policy() -> [&'static str; 5] {
+    ["native", "expandable", "caching", "buddy", "stitched"]
+}
+
+fn events_recorded(a: &Allocator) -> u64 {
+    a.driver_calls().count(DriverCall::EventRecord)
+}
+
+#[test]
+fn a_pools_blocks_go_only_to_allocations_in_that_pool() {
+    for p in every_policy() {
+        let (a, _) = audited_sim(&format!("policy:{p}"), 8 * GIB);
+        a.begin_pool(GRAPH).unwrap();
+        assert!(a.pools_filling());
+        // What a capture allocates and frees (a temporary), and what it keeps (the output).
+        let tmp = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+        let out = a.allocate_in_pool(MIB, CAPTURE, GRAPH).unwrap();
+        a.free_on(tmp.ptr, CAPTURE).unwrap();
+        // Within the capture the freed temporary is the pool's to reuse.
+        let again = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+        assert_eq!(
+            again.ptr, tmp.ptr,
+            "{p}: the pool reuses its own free block"
+        );
+        a.free_on(again.ptr, CAPTURE).unwrap();
+        a.end_pool(GRAPH).unwrap();
+        assert!(!a.pools_filling());
+        // After the capture, eager allocations of the same sizes on the same stream never get
+        // the graph's addresses, and neither does anything after empty_cache.
+        let eager: Vec<_> = (0..4)
+            .flat_map(|_| {
+                [
+                    a.allocate(3 * MIB, CAPTURE).unwrap(),
+                    a.allocate(MIB, CAPTURE).unwrap(),
+                ]
+            })
+            .collect();
+        for e in &eager {
+            let overlaps =
+                |b: &gpumem_core::Allocation| e.ptr < b.ptr + b.size && b.ptr < e.ptr + e.size;
+            assert!(
+                !overlaps(&tmp) && !overlaps(&out),
+                "{p}: eager block {e:?} is in the graph's memory"
+            );
+        }
+        for e in &eager {
+            a.free(e.ptr).unwrap();
+        }
+        let held = a.held_bytes();
+        a.empty_cache().unwrap();
+        assert!(
+            a.held_bytes() >= 4 * MIB,
+            "{p}: empty_cache left the pool's memory ({} bytes held of {held})",
+            a.held_bytes()
+        );
+        let fresh = a.allocate(3 * MIB, SIDE).unwrap();
+        assert!(
+            fresh.ptr + fresh.size <= tmp.ptr || fresh.ptr >= tmp.ptr + tmp.size,
+            "{p}: after empty_cache another stream took the graph's temporary"
+        );
+        a.free(fresh.ptr).unwrap();
+        // The graph's output is freed eagerly (by pointer, on its stream): back to the pool.
+        a.free_on(out.ptr, CAPTURE).unwrap();
+        assert_eq!(a.memory_stats().allocation.all.current, 0, "{p}");
+        a.check().unwrap();
+    }
+}
+
+#[test]
+fn the_last_user_gone_the_pools_memory_is_given_back_and_its_slot_reused() {
+    let (a, _) = audited_sim("policy:caching", 8 * GIB);
+    a.begin_pool(GRAPH).unwrap();
+    let x = a.allocate_in_pool(5 * MIB, CAPTURE, GRAPH).unwrap();
+    a.free_on(x.ptr, CAPTURE).unwrap();
+    a.end_pool(GRAPH).unwrap();
+    // A second graph shares the pool (torch.cuda.graph(pool=g.pool())).
+    a.begin_pool(GRAPH).unwrap();
+    let y = a.allocate_in_pool(5 * MIB, CAPTURE, GRAPH).unwrap();
+    assert_eq!(
+        y.ptr, x.ptr,
+        "the second graph reuses the first one's free block"
+    );
+    a.free_on(y.ptr, CAPTURE).unwrap();
+    a.end_pool(GRAPH).unwrap();
+    assert_eq!(a.pool_use_count(GRAPH), 2);
+    let held = a.held_bytes();
+    assert!(held > 0);
+    a.release_pool(GRAPH).unwrap();
+    assert_eq!(a.empty_cache().unwrap(), 0, "one graph still uses the pool");
+    assert_eq!(a.held_bytes(), held);
+    a.release_pool(GRAPH).unwrap();
+    assert_eq!(a.pool_use_count(GRAPH), 0);
+    // Released at the next empty_cache, as PyTorch releases a freed graph pool.
+    assert_eq!(a.held_bytes(), held);
+    assert_eq!(a.empty_cache().unwrap(), held);
+    assert_eq!(a.held_bytes(), 0);
+    assert_eq!(a.pool_count(), 0, "the empty unused pool is forgotten");
+    assert!(matches!(a.release_pool(GRAPH), Err(AllocError::Pool(_))));
+    // Graphs made and dropped one after another do not use up the stream table.
+    let shards_before = a.streams().len();
+    for g in 2..2000u64 {
+        a.begin_pool((g, 0)).unwrap();
+        let b = a.allocate_in_pool(MIB, CAPTURE, (g, 0)).unwrap();
+        a.free_on(b.ptr, CAPTURE).unwrap();
+        a.end_pool((g, 0)).unwrap();
+        a.release_pool((g, 0)).unwrap();
+        a.empty_cache().unwrap();
+    }
+    assert_eq!(a.pool_count(), 0);
+    assert_eq!(a.streams().len(), shards_before, "pools are not streams");
+    a.check().unwrap();
+}
+
+#[test]
+fn an_unused_pools_live_block_returns_its_memory_once_freed() {
+    let (a, _) = audited_sim("policy:stitched", 8 * GIB);
+    a.begin_pool(GRAPH).unwrap();
+    let out = a.allocate_in_pool(7 * MIB, CAPTURE, GRAPH).unwrap();
+    a.end_pool(GRAPH).unwrap();
+    a.release_pool(GRAPH).unwrap();
+    // The graph is gone but its output tensor lives on.
+    a.empty_cache().unwrap();
+    assert_eq!(a.pool_count(), 1);
+    assert!(a.held_bytes() >= 7 * MIB);
+    a.free(out.ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.held_bytes(), 0);
+    assert_eq!(a.pool_count(), 0);
+}
+
+#[test]
+fn no_event_is_recorded_or_queried_while_a_capture_is_underway() {
+    for p in every_policy() {
+        let (a, ctl) = audited_sim(&format!("policy:{p}"), 8 * GIB);
+        // An eager block used on a side stream, freed during the capture.
+        let x = a.allocate(2 * MIB, CAPTURE).unwrap();
+        a.record_stream(x.ptr, SIDE).unwrap();
+        a.begin_pool(GRAPH).unwrap();
+        let recorded = events_recorded(&a);
+        a.free_on(x.ptr, CAPTURE).unwrap();
+        assert_eq!(
+            events_recorded(&a),
+            recorded,
+            "{p}: an event recorded during capture"
+        );
+        // Not reusable yet: its stream use has not been waited for.
+        let y = a.allocate(2 * MIB, CAPTURE).unwrap();
+        assert_ne!(
+            y.ptr, x.ptr,
+            "{p}: reused before its side-stream use was waited for"
+        );
+        a.synchronize_events().unwrap();
+        assert!(
+            ctl.take_waits().is_empty(),
+            "{p}: the host waited during capture"
+        );
+        a.end_pool(GRAPH).unwrap();
+        // After the capture, the first poll records the deferred event; the block is reused
+        // only once it completes.
+        a.free(y.ptr).unwrap();
+        a.process_events().unwrap();
+        assert!(
+            events_recorded(&a) > recorded,
+            "{p}: the deferred event was not recorded"
+        );
+        let z = a.allocate(2 * MIB, CAPTURE).unwrap();
+        assert_ne!(z.ptr, x.ptr, "{p}: reused before the event completed");
+        for (e, _) in ctl.take_recorded() {
+            ctl.complete(e);
+        }
+        a.process_events().unwrap();
+        a.free(z.ptr).unwrap();
+        assert_eq!(a.memory_stats().active.all.current, 0, "{p}");
+        a.release_pool(GRAPH).unwrap();
+        a.check().unwrap();
+    }
+}
+
+#[test]
+fn running_out_of_memory_during_a_capture_gives_nothing_back() {
+    let (a, _) = audited_sim("policy:caching", GIB);
+    let cached = a.allocate(600 * MIB, SIDE).unwrap();
+    a.free(cached.ptr).unwrap();
+    let held = a.held_bytes();
+    a.begin_pool(GRAPH).unwrap();
+    // 600 MiB cached on another stream: outside a capture the retry would free it.
+    let e = a.allocate_in_pool(600 * MIB, CAPTURE, GRAPH).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert_eq!(
+        a.held_bytes(),
+        held,
+        "nothing given back during the capture"
+    );
+    assert_eq!(a.empty_cache().unwrap(), 0);
+    a.end_pool(GRAPH).unwrap();
+    let ok = a.allocate_in_pool(1, CAPTURE, GRAPH);
+    assert!(matches!(ok, Err(AllocError::Pool(_))), "{ok:?}");
+    // Outside the capture, the same request on the stream succeeds after the retry.
+    let b = a.allocate(600 * MIB, CAPTURE).unwrap();
+    a.free(b.ptr).unwrap();
+    a.release_pool(GRAPH).unwrap();
+}
+
+#[test]
+fn misuse_of_pools_is_refused_and_changes_nothing() {
+    let (a, _) = audited_sim("policy:caching", GIB);
+    for r in [
+        a.begin_pool((0, 0)),
+        a.end_pool(GRAPH),
+        a.release_pool(GRAPH),
+        a.allocate_in_pool(MIB, CAPTURE, GRAPH).map(drop),
+    ] {
+        assert!(matches!(r, Err(AllocError::Pool(_))), "{r:?}");
+    }
+    a.begin_pool(GRAPH).unwrap();
+    let twice = a.begin_pool(GRAPH).unwrap_err();
+    assert!(
+        twice.to_string().contains("already being filled"),
+        "{twice}"
+    );
+    assert!(a.allocate_in_pool(0, CAPTURE, GRAPH).is_err());
+    a.end_pool(GRAPH).unwrap();
+    assert!(
+        !a.pools_filling(),
+        "a refused begin left no capture counted"
+    );
+    assert_eq!(a.pool_use_count(GRAPH), 1);
+}
