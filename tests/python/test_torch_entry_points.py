@@ -548,6 +548,7 @@ r = {"users": _native.torch_pool_use_count(0, *pool)}
 inside = _native.torch_alloc(3 * MIB, 0, cap)
 side = _native.torch_alloc(3 * MIB, 0, other)  # not part of the capture
 r["inside_is_eager"] = inside == eager
+r["inside"] = inside
 r["side_is_inside"] = side == inside
 _native.torch_free(inside, 0, cap)
 r["reused_in_pool"] = _native.torch_alloc(3 * MIB, 0, cap) == inside
@@ -557,6 +558,10 @@ try:
 except gpumem.GpumemError as e:
     r["twice"] = str(e)
 _native.torch_test_capture(False, 0, *pool, cap)
+snap = gpumem.torch.snapshot(0)
+r["pool_segments"] = [[s["segment_pool_id"], s["stream"], s["is_expandable"],
+                       [b["address"] for b in s["blocks"] if b["state"] == "active_allocated"]]
+                      for s in snap["segments"] if tuple(s["segment_pool_id"]) != (0, 0)]
 after = [_native.torch_alloc(3 * MIB, 0, cap) for _ in range(3)]
 r["after_in_graph"] = inside in after
 for p in after:
@@ -581,6 +586,8 @@ print(json.dumps(r))
     assert not r["side_is_inside"]
     assert r["reused_in_pool"], "a block freed during the capture is the pool's to reuse"
     assert "already being filled" in r["twice"], r["twice"]
+    # The snapshot names the graph's pool and its capture stream (stitched policy otherwise).
+    assert r["pool_segments"] == [[[0, 41], 0xCA00, False, [r["inside"]]]], r["pool_segments"]
     assert not r["after_in_graph"], "after the capture an eager request got the graph's memory"
     assert r["stats_allocated"] == 0
     assert r["kept"] >= 20 * MIB, "empty_cache took the memory of a graph still alive"

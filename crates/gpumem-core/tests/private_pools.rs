@@ -246,3 +246,39 @@ fn misuse_of_pools_is_refused_and_changes_nothing() {
     );
     assert_eq!(a.pool_use_count(GRAPH), 1);
 }
+
+#[test]
+fn snapshots_show_a_graphs_pool_with_its_id_and_stream() {
+    // With the history on, the stitched policy's snapshot is built from its mapped ranges; a
+    // pool's plain segments are shown beside them, named by the pool and the capture stream.
+    for p in ["stitched", "caching"] {
+        let (a, _) = audited_sim(&format!("policy:{p},history:1000"), 8 * GIB);
+        let eager = a.allocate(5 * MIB, SIDE).unwrap();
+        a.begin_pool(GRAPH).unwrap();
+        let out = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+        a.end_pool(GRAPH).unwrap();
+        let snap = gpumem_core::report::snapshot::collect(&a).unwrap();
+        let pooled: Vec<_> = snap
+            .segments
+            .iter()
+            .filter(|s| s.pool_id != (0, 0))
+            .collect();
+        assert_eq!(pooled.len(), 1, "{p}");
+        assert_eq!(pooled[0].pool_id, GRAPH, "{p}");
+        assert_eq!(pooled[0].stream, CAPTURE, "{p}");
+        assert!(!pooled[0].is_expandable, "{p}: a pool holds plain segments");
+        assert!(
+            pooled[0].address <= out.ptr
+                && out.ptr + out.size <= pooled[0].address + pooled[0].total_size,
+            "{p}"
+        );
+        let eager_seg = snap
+            .segments
+            .iter()
+            .find(|s| s.address <= eager.ptr && eager.ptr < s.address + s.total_size)
+            .unwrap();
+        assert_eq!((eager_seg.pool_id, eager_seg.stream), ((0, 0), SIDE), "{p}");
+        // The pickle PyTorch's visualizer reads is written from the same segments.
+        gpumem_core::report::snapshot::snapshot_pickle(&a).unwrap();
+    }
+}

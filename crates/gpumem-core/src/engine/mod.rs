@@ -875,7 +875,8 @@ impl Allocator {
         self.device.lock().peak_held()
     }
 
-    /// Segments and blocks of every stream, by address.
+    /// Segments and blocks of every stream, by address. A private pool's segments carry its
+    /// shard key as their stream (see [`Allocator::private_pool_of`]).
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
         let mut v: Vec<SegmentInfo> = self
             .shards
@@ -991,6 +992,15 @@ impl Allocator {
         self.pools.lock().users(id)
     }
 
+    /// The private pool whose shard has stream-table key `key` (the `stream` of its segments
+    /// in [`Allocator::snapshot`]), with the first stream that allocated in it.
+    pub fn private_pool_of(&self, key: Stream) -> Option<(PoolId, Option<Stream>)> {
+        if !is_pool_key(key) {
+            return None;
+        }
+        self.pools.lock().of_key(key)
+    }
+
     /// Private pools that exist (in use, or unused but still holding memory).
     pub fn pool_count(&self) -> usize {
         self.pools.lock().len()
@@ -1014,7 +1024,7 @@ impl Allocator {
         if size == 0 || size > self.device.info().total_bytes {
             return Err(self.invalid_size(size, stream));
         }
-        let key = self.pools.lock().filling_key(id).ok_or_else(|| {
+        let key = self.pools.lock().filling_key(id, stream).ok_or_else(|| {
             AllocError::Pool(format!(
                 "private pool ({}, {}) is not being filled by a capture",
                 id.0, id.1

@@ -37,6 +37,8 @@ struct Entry {
     users: u32,
     /// Whether a capture is filling it now.
     filling: bool,
+    /// The first stream that allocated in it (a capture's stream), which snapshots show.
+    stream: Option<Stream>,
 }
 
 /// The private pools of one allocator.
@@ -87,6 +89,7 @@ impl Pools {
                 key,
                 users: 1,
                 filling: true,
+                stream: None,
             },
         );
         Ok(Begun { key })
@@ -124,10 +127,20 @@ impl Pools {
         }
     }
 
-    /// The shard key of pool `id` while a capture fills it.
+    /// The shard key of pool `id` while a capture fills it, for an allocation on `stream`.
     #[inline]
-    pub fn filling_key(&self, id: PoolId) -> Option<Stream> {
-        self.by_id.get(&id).filter(|e| e.filling).map(|e| e.key)
+    pub fn filling_key(&mut self, id: PoolId, stream: Stream) -> Option<Stream> {
+        let e = self.by_id.get_mut(&id).filter(|e| e.filling)?;
+        e.stream.get_or_insert(stream);
+        Some(e.key)
+    }
+
+    /// The pool whose shard key is `key`, and the first stream that allocated in it.
+    pub fn of_key(&self, key: Stream) -> Option<(PoolId, Option<Stream>)> {
+        self.by_id
+            .iter()
+            .find(|(_, e)| e.key == key)
+            .map(|(&id, e)| (id, e.stream))
     }
 
     /// Users of pool `id` (0 for a pool that does not exist).
@@ -172,13 +185,14 @@ mod tests {
         assert!(p.begin((0, 0)).is_err());
         let a = p.begin((1, 0)).unwrap().key;
         assert!(is_pool_key(a));
-        assert_eq!(p.filling_key((1, 0)), Some(a));
+        assert_eq!(p.filling_key((1, 0), 7), Some(a));
+        assert_eq!(p.of_key(a), Some(((1, 0), Some(7))));
         assert!(
             p.begin((1, 0)).is_err(),
             "two captures into one pool at once"
         );
         p.end((1, 0)).unwrap();
-        assert_eq!(p.filling_key((1, 0)), None);
+        assert_eq!(p.filling_key((1, 0), 7), None);
         assert!(p.end((1, 0)).is_err());
         // A second graph shares the pool: two users.
         assert_eq!(p.begin((1, 0)).unwrap().key, a);

@@ -24,6 +24,7 @@
 //! `segment_map`/`segment_unmap` entries. [`check_replayable`] verifies that agreement on any
 //! snapshot, PyTorch's own included.
 
+use crate::engine::pools::is_pool_key;
 use crate::engine::track::{Action, LiveRecord, Record};
 use crate::engine::Allocator;
 use crate::policy::{BlockInfo, BlockKind, SegmentInfo};
@@ -68,6 +69,8 @@ pub struct SegmentOut {
     pub pool: Pool,
     /// A mapped range of a virtual reservation (expandable and stitched policies).
     pub is_expandable: bool,
+    /// The private pool (a CUDA graph's) it belongs to, as PyTorch names it; (0, 0) for none.
+    pub pool_id: (u64, u64),
     /// Blocks tiling it, by address.
     pub blocks: Vec<BlockOut>,
 }
@@ -160,7 +163,12 @@ pub fn collect(alloc: &Allocator) -> Result<SnapshotData, String> {
     let (history, live): (Vec<Record>, Vec<(u64, LiveRecord)>) = alloc
         .with_tracker(|t| (t.history().cloned().collect(), t.live()))
         .unwrap_or_default();
-    let infos = alloc.snapshot();
+    // A CUDA graph's private pool holds plain segments whatever the policy: shown as such, with
+    // the pool's id and the stream that filled it.
+    let (pooled, infos): (Vec<SegmentInfo>, Vec<SegmentInfo>) = alloc
+        .snapshot()
+        .into_iter()
+        .partition(|s| is_pool_key(s.stream));
     let (mapped, reserved) = {
         let d = alloc.device().lock();
         (d.mapped_ranges(), d.reservations())
@@ -188,11 +196,21 @@ pub fn collect(alloc: &Allocator) -> Result<SnapshotData, String> {
             .unwrap_or_else(|| none.clone())
     };
 
-    let segments = if uses_pages && !mapped.is_empty() {
+    let mut segments = if uses_pages && !mapped.is_empty() {
         mapped_segments(&infos, &mapped, &reserved, &frames_at)?
     } else {
         plain_segments(&infos, uses_pages, &frames_at)?
     };
+    if !pooled.is_empty() {
+        for mut s in plain_segments(&pooled, false, &frames_at)? {
+            if let Some((id, stream)) = alloc.private_pool_of(s.stream) {
+                s.pool_id = id;
+                s.stream = stream.unwrap_or(0);
+            }
+            segments.push(s);
+        }
+        segments.sort_by_key(|s| s.address);
+    }
 
     let streams = segment_event_streams(&history, &segments);
     let entries = history
@@ -329,6 +347,7 @@ fn plain_segments(
                 stream: si.stream,
                 pool: si.pool,
                 is_expandable: uses_pages,
+                pool_id: (0, 0),
                 blocks: tile(start, end, r.into_iter(), frames_at)?,
             });
         }
@@ -373,6 +392,7 @@ fn mapped_segments(
                 stream,
                 pool,
                 is_expandable: true,
+                pool_id: (0, 0),
                 blocks: tile(s, e, inside, frames_at)?,
             });
         }
@@ -498,8 +518,8 @@ pub fn to_pickle(d: &SnapshotData) -> Vec<u8> {
         });
         w.key("segment_pool_id");
         w.begin_tuple();
-        w.int(0);
-        w.int(0);
+        w.int(s.pool_id.0 as i64);
+        w.int(s.pool_id.1 as i64);
         w.end();
         w.key("is_expandable");
         w.bool(s.is_expandable);
