@@ -648,8 +648,11 @@ impl DeviceState {
     /// [`DeviceState::clear_capturing`], events on it stand for its pre-capture work (see
     /// [`DeviceState::event_record`]) and no stream wait is added to it (that would join
     /// outside work to the graph).
+    /// `stream` allocated in a private pool: noted as capturing if the device says it is.
     pub fn note_capturing(&mut self, stream: Stream) {
-        if !self.capturing.contains(&stream) {
+        if !self.capturing.contains(&stream)
+            && self.backend.stream_is_capturing(stream).unwrap_or(false)
+        {
             self.capturing.push(stream);
         }
     }

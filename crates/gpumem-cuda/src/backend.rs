@@ -370,6 +370,17 @@ impl Backend for CudaBackend {
         self.capture_underway = underway;
     }
 
+    fn stream_is_capturing(&mut self, stream: Stream) -> Result<bool, BackendError> {
+        let _ctx = self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` is a valid place; the stream handle is the caller's (a stream of
+        // this context, or an alias set up for one). Allowed during a capture.
+        check_named("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(self.real_stream(stream), &mut status)
+        })?;
+        Ok(status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    }
+
     fn mem_get_info(&mut self) -> Result<(u64, u64), BackendError> {
         let _ctx = self.bind()?;
         driver::mem_get_info()

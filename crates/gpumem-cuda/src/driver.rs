@@ -60,6 +60,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemPoolSetAttribute",
     "cuMemPoolTrimTo",
     "cuThreadExchangeStreamCaptureMode",
+    "cuStreamIsCapturing",
 ];
 
 /// Checks once that the driver library can be loaded, exports every function gpumem uses, and

@@ -327,6 +327,13 @@ pub trait Backend: Send {
     /// capture begun in the global mode neither refuses them nor is invalidated by them. (Only
     /// while one is underway: the mode switch is two more driver calls.)
     fn set_capture_underway(&mut self, _underway: bool) {}
+    /// Whether `stream` is capturing a CUDA graph now. A private pool is also filled outside
+    /// captures (PyTorch's `torch.cuda.MemPool`, and torch.compile's warm-up runs), where the
+    /// stream's work runs at once and its events must be real. The default (the simulated
+    /// device's answer) is yes: its pools stand for captures.
+    fn stream_is_capturing(&mut self, _stream: Stream) -> Result<bool, BackendError> {
+        Ok(true)
+    }
     /// An event that reads as completed (made, never recorded). What stands for a point of a
     /// capturing stream's work, none of which runs before the graph is launched (see
     /// `DeviceState::event_record`).
