@@ -134,8 +134,11 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_m
     total = float(z.sum().item())
     del z
     torch.cuda.synchronize()
-cuda_events = [e.device_memory_usage for e in prof.events()
-               if e.name == "[memory]" and e.device_memory_usage != 0]
+# A report made inside an operator (the allocations of y, z and the sum) is counted in that
+# operator's device memory, not listed as an event of its own; the frees, made by `del`
+# outside any operator, are "[memory]" events. Each event's own share (children excluded)
+# counts every report once.
+cuda_events = [e.self_device_memory_usage for e in prof.events() if e.self_device_memory_usage != 0]
 try:
     c10 = torch._C._cuda_memoryStats(0)
     c10_allocated = c10["allocated_bytes"]["all"]["current"]
@@ -148,8 +151,8 @@ print(json.dumps({"events": cuda_events, "c10_allocated": c10_allocated,
     )
     events = r["events"]
     four_mib = 1024 * 1024 * 4
-    # y and z (4 MiB each) allocated and freed; the sum's result and any buffer of its
-    # reduction come and go too.
+    # y and z (4 MiB each) allocated (by aten::mm and aten::relu) and freed; the sum's result
+    # and any buffer of its reduction come and go too.
     assert events.count(four_mib) >= 2 and events.count(-four_mib) >= 2, events
     assert sum(events) == 0, f"every allocation in the window was freed in it: {events}"
     if install_path == "pluggable":
