@@ -164,6 +164,32 @@ impl CudaAllocator {
         })
     }
 
+    /// Allocates `bytes` for use on `stream` from private pool `pool`, which a CUDA graph
+    /// capture is filling ([`Allocator::begin_pool`] through [`CudaAllocator::engine`], called
+    /// before the capture begins; [`Allocator::end_pool`] after it ends;
+    /// [`Allocator::release_pool`] once the graph is destroyed). The buffer's memory is the
+    /// pool's: freed, it is reused only by allocations in that pool, so that the graph keeps
+    /// the addresses it replays.
+    pub fn alloc_in_pool(
+        &self,
+        bytes: u64,
+        stream: &Arc<CudaStream>,
+        pool: gpumem_core::engine::PoolId,
+    ) -> Result<DeviceBuffer, AllocError> {
+        self.shared.check_stream(stream)?;
+        self.shared.keep(stream);
+        let a =
+            self.shared
+                .engine
+                .allocate_in_pool(bytes, stream.cu_stream() as usize as u64, pool)?;
+        Ok(DeviceBuffer {
+            owner: self.clone(),
+            a,
+            requested: bytes,
+            stream: stream.clone(),
+        })
+    }
+
     /// Allocates `bytes` on the default stream of the device.
     pub fn alloc_default(&self, bytes: u64) -> Result<DeviceBuffer, AllocError> {
         self.alloc(bytes, &self.shared.ctx.default_stream())

@@ -667,3 +667,68 @@ fn a_copy_on_another_stream_sees_the_buffers_writes() {
         "the copy on s2 read {stale} words before s1's write"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_captured_graph_keeps_its_pool_and_eager_buffers_survive_its_replays() {
+    // A CUDA graph captured in the global mode (the strictest) with gpumem's private pool, for
+    // every policy: the capture's buffer comes from the pool (gpumem's driver calls during the
+    // capture neither fail nor invalidate it), eager buffers made after it never overlap it,
+    // and replaying the graph (which writes its buffer) leaves them intact.
+    let _g = exclusive();
+    for p in PolicyKind::ALL {
+        let alloc = gpu(p, "");
+        let ctx = alloc.context().clone();
+        let s = ctx.new_stream().expect("stream");
+        // Eager work first, so the stream has blocks of its own (and, for stitched, pages).
+        let warm = alloc.alloc(8 * MIB, &s).expect("eager");
+        fill(&warm, 1);
+        drop(warm);
+        const POOL: (u64, u64) = (1, 0);
+        alloc.engine().begin_pool(POOL).expect("begin_pool");
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            .expect("begin capture");
+        let out = alloc
+            .alloc_in_pool(8 * MIB, &s, POOL)
+            .expect("allocation during capture");
+        let tmp = alloc
+            .alloc_in_pool(3 * MIB, &s, POOL)
+            .expect("allocation during capture");
+        memset32(tmp.ptr(), 0xAB, tmp.len_bytes(), s.cu_stream());
+        memset32(out.ptr(), 0xCD, out.len_bytes(), s.cu_stream());
+        drop(tmp); // freed during the capture: the pool's to reuse
+        let graph = s
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .expect("end capture")
+            .expect("a graph");
+        alloc.engine().end_pool(POOL).expect("end_pool");
+        let eager: Vec<DeviceBuffer> = (0..6)
+            .map(|i| {
+                alloc
+                    .alloc(if i % 2 == 0 { 8 * MIB } else { 3 * MIB }, &s)
+                    .unwrap()
+            })
+            .collect();
+        for e in &eager {
+            assert!(
+                e.ptr() + e.len_bytes() <= out.ptr() || e.ptr() >= out.ptr() + out.len_bytes(),
+                "{p:?}: an eager buffer is in the graph's memory"
+            );
+            fill(e, 0x77);
+        }
+        for _ in 0..3 {
+            graph.launch().expect("replay");
+        }
+        for e in &eager {
+            expect_pattern(e, 0x77, &format!("{p:?}: eager buffer after the replays"));
+        }
+        expect_pattern(&out, 0xCD, &format!("{p:?}: the graph's output"));
+        drop(eager);
+        drop(graph);
+        drop(out);
+        alloc.engine().release_pool(POOL).expect("release_pool");
+        alloc.empty_cache().expect("empty_cache");
+        assert_eq!(alloc.engine().pool_count(), 0, "{p:?}");
+        alloc.engine().check().unwrap();
+    }
+}
