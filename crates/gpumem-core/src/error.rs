@@ -63,6 +63,9 @@ pub struct OomReport {
     pub largest_free_block: u64,
     /// Times the allocator released its cache and retried before giving up.
     pub retries: u64,
+    /// A CUDA graph capture was underway, during which nothing can be given back to the
+    /// device (so the cache was not released).
+    pub during_capture: bool,
 }
 
 impl OomReport {
@@ -85,6 +88,14 @@ impl OomReport {
 
     /// The change that the numbers point to.
     pub fn suggestion(&self) -> String {
+        if self.during_capture && self.cached > 0 {
+            return format!(
+                "a CUDA graph capture was underway, during which gpumem cannot give its {} of \
+                 cached memory back to the device: call torch.cuda.empty_cache() (or \
+                 Allocator::empty_cache) before the capture, or capture with less memory.",
+                format_size(self.cached)
+            );
+        }
         // Enough memory in pieces (cached blocks, plus what the device still has), but no
         // piece large enough: fragmentation, which stitching removes by mapping free pages
         // under the new block wherever they are.

@@ -146,6 +146,7 @@ fn already_stitched_is_not_told_to_stitch() {
         cached: 36 * MIB,
         largest_free_block: 8 * MIB,
         retries: 1,
+        during_capture: false,
     };
     assert!(
         !r.suggestion().contains("policy:stitched"),

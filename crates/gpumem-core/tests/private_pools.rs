@@ -206,6 +206,13 @@ fn running_out_of_memory_during_a_capture_gives_nothing_back() {
     // 600 MiB cached on another stream: outside a capture the retry would free it.
     let e = a.allocate_in_pool(600 * MIB, CAPTURE, GRAPH).unwrap_err();
     assert!(e.is_oom(), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("0 retries after releasing the cache")
+            && msg.contains("a CUDA graph capture was underway")
+            && msg.contains("600.00 MiB of cached memory"),
+        "{msg}"
+    );
     assert_eq!(
         a.held_bytes(),
         held,

@@ -405,7 +405,9 @@ impl Allocator {
         match self.place(shard, size, true)? {
             Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
             Err(e) if e.out_of_memory => {
-                let report = self.oom_report(size, stream, 1);
+                // During a capture the retry released nothing (see `release_all_cached`).
+                let released = u64::from(!self.pools_filling());
+                let report = self.oom_report(size, stream, released);
                 shard.state.lock().ooms += 1;
                 // As in PyTorch, an OOM entry carries the device's free bytes as its address.
                 self.track(Action::Oom, report.device_free, size, stream);
@@ -441,6 +443,7 @@ impl Allocator {
             cached: held.saturating_sub(allocated),
             largest_free_block: largest,
             retries,
+            during_capture: self.pools_filling(),
         }
     }
 
