@@ -158,12 +158,33 @@ cache_rc = nat.gpumem_native_cache_info(0, ctypes.byref(largest))
 """
         + GRAPH_POOL_SCRIPT
         + """
+# torch.cuda.MemPool: what its constructor and destructor call through c10 (a test entry: making
+# one asks CUDA for the current device), and torch.cuda.use_mem_pool's calls in between.
+mp = nat.gpumem_native_test_mem_pool
+mp.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+merr = ctypes.create_string_buffer(300)
+mem_pool = {"made": mp(0, 0, 99, 0, merr, 300), "users": [_native.torch_pool_use_count(0, 0, 99)]}
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, (0, 99))
+in_pool = _native.torch_call_alloc_from_cpp(5 << 20, 0, 0)
+mem_pool["users"].append(_native.torch_pool_use_count(0, 0, 99))
+torch._C._cuda_endAllocateToPool(0, (0, 99))
+torch._C._cuda_releasePool(0, (0, 99))
+mem_pool["snapshot"] = [[list(s["segment_pool_id"]), [b["address"] for b in s["blocks"] if b["state"] == "active_allocated"]]
+                        for s in gpumem.torch.snapshot(0)["segments"] if tuple(s["segment_pool_id"]) == (0, 99)]
+mem_pool["in_pool"] = in_pool[1]
+_native.torch_free(in_pool[1], 0, 0)
+before = gpumem.torch.memory_reserved(0)
+mem_pool["destroyed"] = mp(0, 0, 99, 2, merr, 300)
+mem_pool["given_back"] = before - gpumem.torch.memory_reserved(0)
+mem_pool["users"].append(_native.torch_pool_use_count(0, 0, 99))
+mem_pool["use_on_oom"] = [mp(0, 0, 98, 1, merr, 300), merr.value.decode()]
 # A hook table of the wrong length (a stale build against a newer package) is refused.
 few = (ctypes.c_size_t * 3)(1, 2, 3)
 short_err = ctypes.create_string_buffer(300)
 short_rc = nat.gpumem_native_install(few, 3, short_err, len(short_err))
 print(json.dumps({
     "pool": pool,
+    "mem_pool": mem_pool,
     "short_table": [short_rc, short_err.value.decode(),
                     len(gpumem.torch._native_hook_addresses(gpumem.torch._installed["library"]))],
     "cache_info": [cache_rc, largest.value],
@@ -199,6 +220,16 @@ print(json.dumps({
     assert r["cache_info"] == [0, (1 << 30) - (100 << 20)]
     # CUDA graph capture: private pools through the same hooks as on the pluggable path.
     check_graph_pool(r["pool"])
+    # torch.cuda.MemPool (native path only: PyTorch's pluggable wrapper has no
+    # createOrIncrefPool): the pool is made with one user, use_mem_pool fills it, its
+    # destructor lets go and empties it; use_on_oom is refused with a reason.
+    m = r["mem_pool"]
+    assert m["made"] == 0 and m["destroyed"] == 0, m
+    assert m["users"] == [1, 2, 0], m["users"]
+    assert m["snapshot"] == [[[0, 99], [m["in_pool"]]]], m["snapshot"]
+    assert m["given_back"] == 20 << 20, m
+    rc, msg = m["use_on_oom"]
+    assert rc == 1 and "MemPool(use_on_oom=True) is not supported" in msg, m["use_on_oom"]
     rc, text, hooks = r["short_table"]
     assert rc == 1 and f"takes {hooks} hook addresses, not 3" in text, text
 

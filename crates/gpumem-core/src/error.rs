@@ -90,9 +90,10 @@ impl OomReport {
     pub fn suggestion(&self) -> String {
         if self.during_capture && self.cached > 0 {
             return format!(
-                "a CUDA graph capture was underway, during which gpumem cannot give its {} of \
-                 cached memory back to the device: call torch.cuda.empty_cache() (or \
-                 Allocator::empty_cache) before the capture, or capture with less memory.",
+                "a CUDA graph capture was underway (or a private pool was being filled), during \
+                 which gpumem cannot give its {} of cached memory back to the device: call \
+                 torch.cuda.empty_cache() (or Allocator::empty_cache) before the capture, or \
+                 capture with less memory.",
                 format_size(self.cached)
             );
         }

@@ -592,6 +592,14 @@ impl Registry {
             .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
     }
 
+    /// A `torch.cuda.MemPool` takes pool `id` on `device` (c10's `createOrIncrefPool`).
+    pub fn pool_retain(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
+        let slot = self.device(device)?;
+        slot.alloc
+            .retain_pool(id)
+            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    }
+
     /// The capture filling pool `id` ended (c10's `endAllocateToPool`).
     pub fn pool_end(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
         let slot = self.device(device)?;

@@ -18,6 +18,7 @@
 //! | [`gpumem_torch_pool_hook_address`] | the addresses of the C++ hooks of CUDA graph capture: `set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`, `set_release_pool` (and the native allocator's methods of the same names) | `size_t (int which)` |
 //! | [`gpumem_torch_pool_begin`], [`gpumem_torch_pool_end`], [`gpumem_torch_pool_release`] | what those hooks call: a private pool begun, ended, released | `int (int device, uint64_t first, uint64_t second, char* err, size_t err_len)` |
 //! | [`gpumem_torch_pool_use_count`] | the native allocator's `getPoolUseCount` | `int (int device, uint64_t first, uint64_t second)` |
+//! | [`gpumem_torch_pool_retain`] | the native allocator's `createOrIncrefPool` (`torch.cuda.MemPool`) | as [`gpumem_torch_pool_begin`] |
 //!
 //! CUDA graphs (`torch.cuda.graph`, `make_graphed_callables`) get private pools: while a
 //! capture is underway, an allocation asks the shim which pool, if any, the stream's request
@@ -491,6 +492,21 @@ pub extern "C" fn gpumem_torch_pool_begin(
 ) -> c_int {
     pool_call(device, err, err_len, |d| {
         global().pool_begin(d, (first, second))
+    })
+}
+
+/// A `torch.cuda.MemPool` takes pool (`first`, `second`) on `device`, made on first use
+/// (c10's `createOrIncrefPool`). As [`gpumem_torch_pool_begin`].
+#[no_mangle]
+pub extern "C" fn gpumem_torch_pool_retain(
+    device: c_int,
+    first: u64,
+    second: u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    pool_call(device, err, err_len, |d| {
+        global().pool_retain(d, (first, second))
     })
 }
 

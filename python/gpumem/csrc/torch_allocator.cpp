@@ -22,8 +22,9 @@
 //   resetAccumulatedStats, getMemoryFraction), so torch._C's own functions read gpumem's;
 // - calls the out-of-memory observers (torch._C._cuda_attach_out_of_memory_observer).
 // CUDA graph capture gets private pools, through the same three C++ hooks as on the pluggable
-// path (crates/gpumem-py/shim/torch_shim.cpp), and getPoolUseCount answers from gpumem;
-// torch.cuda.MemPool (createOrIncrefPool) is not supported. Snapshots and history are gpumem's own Python functions
+// path (crates/gpumem-py/shim/torch_shim.cpp); getPoolUseCount answers from gpumem, and
+// createOrIncrefPool makes torch.cuda.MemPool work (without an allocator of its own, use_on_oom
+// or no_split, which are refused). Snapshots and history are gpumem's own Python functions
 // (install() points torch.cuda's at them); the rest raises a clear error. PyTorch's memory
 // profiler (torch.profiler with profile_memory=True) is told of each allocation and free by
 // gpumem's hooks themselves, as on the pluggable path (crates/gpumem-py/src/torch_abi.rs).
@@ -64,6 +65,8 @@ using ResetStatsFn = int (*)(int device);
 using LimitAndFreeFn = int (*)(int device, uint64_t* out);
 using MemoryFractionFn = double (*)(int device);
 using PoolUseCountFn = int (*)(int device, uint64_t first, uint64_t second);
+using PoolRetainFn = int (*)(int device, uint64_t first, uint64_t second, char* err,
+                             size_t err_len);
 // The shim's CUDA graph hooks (crates/gpumem-py/shim/torch_shim.cpp); begin and end may throw.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
@@ -88,6 +91,7 @@ struct Hooks {
   LimitAndFreeFn limit_and_free = nullptr;
   MemoryFractionFn memory_fraction = nullptr;
   PoolUseCountFn pool_use_count = nullptr;
+  PoolRetainFn pool_retain = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
   PoolFn end_allocate_to_pool = nullptr;
   PoolFn release_pool = nullptr;
@@ -278,6 +282,27 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t pool) override {
     return hooks.pool_use_count(device, pool.first, pool.second);
   }
+  // torch.cuda.MemPool: a private pool taken when the MemPool is made (use_mem_pool then fills
+  // it through beginAllocateToPool, and its destructor releases it). A MemPool with an
+  // allocator of its own would need gpumem to call that allocator: refused, as are use_on_oom
+  // (regular requests served from the pool when memory runs out) and no_split.
+  void createOrIncrefPool(c10::DeviceIndex device, c10::MempoolId_t pool,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    TORCH_CHECK(allocator == nullptr,
+                "gpumem: a torch.cuda.MemPool with an allocator of its own is not supported "
+                "(gpumem serves the pool itself); make it without one");
+    char err[1024] = {0};
+    TORCH_CHECK(hooks.pool_retain(device, pool.first, pool.second, err, sizeof err) == 0, err);
+  }
+  void setUseOnOOM(c10::DeviceIndex, c10::MempoolId_t, bool use_on_oom) override {
+    // Called with false by every MemPool's destructor, which must not throw.
+    TORCH_CHECK(!use_on_oom,
+                "gpumem: torch.cuda.MemPool(use_on_oom=True) is not supported: a pool's memory "
+                "is never lent to other requests");
+  }
+  void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
+    TORCH_CHECK(false, "gpumem: torch.cuda.MemPool(no_split=True) is not supported");
+  }
   std::string name() override { return "gpumem"; }
 
   // Statistics under PyTorch's names, so that torch._C's own functions (and C++ callers of
@@ -369,7 +394,7 @@ extern "C" int gpumem_native_install(const uintptr_t* addresses, int count, char
                                 &h.empty_cache, &h.set_fraction, &h.cache_info, &h.device_stats,
                                 &h.reset_peak_stats, &h.reset_accumulated_stats,
                                 &h.limit_and_free, &h.memory_fraction, &h.pool_use_count,
-                                &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
+                                &h.pool_retain, &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
                                 &h.release_pool);
   constexpr int kHooks = static_cast<int>(std::tuple_size<decltype(fields)>::value);
   if (addresses == nullptr || count != kHooks) {
@@ -431,6 +456,29 @@ extern "C" int gpumem_native_test_allocate(size_t n, int device, int release, vo
         allocator->allocate_with_stream(n, static_cast<c10::DeviceIndex>(device), nullptr);
     *out = p.get();
     if (!release) (void)p.release_context();  // kept: freed later through raw_delete
+    return 0;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  }
+  return 1;
+}
+
+// For the tests, where a torch.cuda.MemPool cannot be made (it asks CUDA for the current
+// device): what its constructor (step 0, or 1 with use_on_oom=True) and its destructor (step 2)
+// call, through c10's functions as they call them. Returns 0, or 1 with a message in `err`.
+extern "C" int gpumem_native_test_mem_pool(int device, uint64_t first, uint64_t second, int step,
+                                           char* err, int err_len) {
+  try {
+    const auto dev = static_cast<c10::DeviceIndex>(device);
+    const c10::MempoolId_t id{first, second};
+    if (step == 0 || step == 1) {
+      cca::createOrIncrefPool(dev, id, nullptr);
+      if (step == 1) cca::setUseOnOOM(dev, id, true);
+    } else {
+      cca::setUseOnOOM(dev, id, false);
+      cca::releasePool(dev, id);
+      cca::emptyCache(id);
+    }
     return 0;
   } catch (const std::exception& e) {
     report(err, err_len, e.what());

@@ -964,6 +964,27 @@ impl Allocator {
         Ok(())
     }
 
+    /// One more user of private pool `id`, made on first use, without filling it (PyTorch's
+    /// `createOrIncrefPool`, which a `torch.cuda.MemPool` calls when made; its
+    /// `use_mem_pool` then fills it through [`Allocator::begin_pool`], and it lets go of it
+    /// with [`Allocator::release_pool`]).
+    pub fn retain_pool(&self, id: PoolId) -> Result<(), AllocError> {
+        let mut pools = self.pools.lock();
+        let key = pools.retain(id).map_err(AllocError::Pool)?;
+        match self.pool_shard(key) {
+            Ok((_, sh)) => {
+                sh.state.lock().kept = true;
+                Ok(())
+            }
+            Err(e) => {
+                if let Ok((_, false)) = pools.release(id) {
+                    pools.retire(id);
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// The capture filling private pool `id` ended (PyTorch's `endAllocateToPool`); the pool
     /// keeps its user until [`Allocator::release_pool`].
     pub fn end_pool(&self, id: PoolId) -> Result<(), AllocError> {

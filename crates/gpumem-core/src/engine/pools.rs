@@ -76,13 +76,7 @@ impl Pools {
             e.users += 1;
             return Ok(Begun { key: e.key });
         }
-        let key = match self.spare.pop() {
-            Some(k) => k,
-            None => {
-                self.made += 1;
-                POOL_KEY_BASE + self.made
-            }
-        };
+        let key = self.new_key();
         self.by_id.insert(
             id,
             Entry {
@@ -93,6 +87,36 @@ impl Pools {
             },
         );
         Ok(Begun { key })
+    }
+
+    /// A user takes pool `id` without filling it (PyTorch's `createOrIncrefPool`, made by a
+    /// `torch.cuda.MemPool`): made on first use, one more user. Returns its key.
+    pub fn retain(&mut self, id: PoolId) -> Result<Stream, String> {
+        if id == (0, 0) {
+            return Err("pool id (0, 0) names no pool".into());
+        }
+        if let Some(e) = self.by_id.get_mut(&id) {
+            e.users += 1;
+            return Ok(e.key);
+        }
+        let key = self.new_key();
+        self.by_id.insert(
+            id,
+            Entry {
+                key,
+                users: 1,
+                filling: false,
+                stream: None,
+            },
+        );
+        Ok(key)
+    }
+
+    fn new_key(&mut self) -> Stream {
+        self.spare.pop().unwrap_or_else(|| {
+            self.made += 1;
+            POOL_KEY_BASE + self.made
+        })
     }
 
     /// The capture filling pool `id` ended: allocations no longer go to it (its user stays
@@ -208,6 +232,12 @@ mod tests {
         assert_eq!(p.begin((0, 7)).unwrap().key, a, "the retired key is reused");
         assert_ne!(p.begin((2, 0)).unwrap().key, a);
         assert!(p.release((9, 9)).is_err());
+        // A MemPool: made and held without a capture, then filled.
+        let m = p.retain((0, 9)).unwrap();
+        assert_eq!(p.filling_key((0, 9), 3), None);
+        assert_eq!(p.begin((0, 9)).unwrap().key, m);
+        assert_eq!((p.users((0, 9)), p.filling_key((0, 9), 3)), (2, Some(m)));
+        assert!(p.retain((0, 0)).is_err());
         assert!(!is_pool_key(0x7f00_1234_5600));
         assert!(!is_pool_key(u64::MAX));
     }
