@@ -223,6 +223,51 @@ print(json.dumps({"overlap": overlap, "results": results, "intact": intact,
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
+def test_mem_pool_keeps_its_memory_on_the_native_path(install_path):
+    # torch.cuda.MemPool: on the native path a private pool of gpumem's (use_mem_pool fills it,
+    # nothing else takes its memory, it goes back when the MemPool is destroyed); PyTorch's
+    # pluggable wrapper cannot make one and says so.
+    r = run_python(
+        PRELUDE
+        + """
+import gc
+try:
+    pool = torch.cuda.MemPool()
+except RuntimeError as e:
+    print(json.dumps({"error": str(e)[:300]}))
+    raise SystemExit
+with torch.cuda.use_mem_pool(pool):
+    x = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+users = pool.use_count()
+ids = [list(s["segment_pool_id"]) for s in gpumem.torch.snapshot()["segments"]
+       if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
+pool_id = list(pool.id)
+x_ptr = x.data_ptr()
+del x
+eager = [torch.empty(5 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+taken = [t.data_ptr() == x_ptr for t in eager]
+del eager
+torch.cuda.synchronize()
+reserved = torch.cuda.memory_reserved()
+del pool
+gc.collect()
+torch.cuda.empty_cache()
+print(json.dumps({"error": None, "users": users, "ids": ids, "pool_id": pool_id, "taken": taken,
+                  "given_back": reserved - torch.cuda.memory_reserved(),
+                  "errors": gpumem.torch.error_counts()}))
+"""
+    )
+    if install_path == "pluggable":
+        assert "createOrIncrefPool" in r["error"], r
+        return
+    assert r["error"] is None, r["error"]
+    assert r["users"] == 1
+    assert r["ids"] == [r["pool_id"]], r
+    assert not any(r["taken"]), "an eager tensor took the MemPool's memory"
+    assert r["given_back"] >= 20 << 20, r
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
 def test_raw_allocations_on_a_side_stream_are_freed_by_pointer_alone():
     # torch.cuda.caching_allocator_alloc/delete: PyTorch's raw path (cuBLAS workspaces, NCCL,
     # thrust). Under the native allocator the delete carries only the pointer, so gpumem must
