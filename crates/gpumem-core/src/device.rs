@@ -657,17 +657,24 @@ impl DeviceState {
         }
     }
 
-    /// The first capture is about to begin (a private pool is being filled; PyTorch begins
-    /// the capture itself right after): an event is recorded on each of `streams` (the
-    /// allocator's), and the backend's calls go in the relaxed capture mode (see
-    /// [`Backend::set_capture_underway`]). A stream whose event fails gets none.
+    /// A capture is about to begin (a private pool is being filled; PyTorch begins the capture
+    /// itself right after): an event is recorded on each of `streams` (the allocator's) but
+    /// those already capturing, replacing the one an earlier begin recorded (the work it
+    /// covers must be all the work before this capture), and the backend's calls go in the
+    /// relaxed capture mode (see [`Backend::set_capture_underway`]). A stream whose event
+    /// fails gets none.
     pub fn begin_capture(&mut self, streams: &[Stream]) {
         self.backend.set_capture_underway(true);
         for &s in streams {
-            if !self.pre_capture.iter().any(|&(x, _)| x == s) {
-                if let Ok(e) = self.call(DriverCall::EventRecord, 0, 0, |b| b.event_record(s)) {
-                    self.pre_capture.push((s, e));
-                }
+            if self.capturing.contains(&s) {
+                continue;
+            }
+            if let Some(k) = self.pre_capture.iter().position(|&(x, _)| x == s) {
+                let (_, old) = self.pre_capture.swap_remove(k);
+                self.event_destroy(old);
+            }
+            if let Ok(e) = self.call(DriverCall::EventRecord, 0, 0, |b| b.event_record(s)) {
+                self.pre_capture.push((s, e));
             }
         }
     }
@@ -785,6 +792,40 @@ mod tests {
         for e in [before, during, other] {
             s.event_destroy(e);
         }
+    }
+
+    #[test]
+    fn each_capture_waits_for_the_work_before_it_and_not_on_capturing_streams() {
+        let (b, ctl) = SimBackend::new(SimConfig {
+            event_mode: crate::backend::sim::EventMode::Manual,
+            ..SimConfig::default()
+        });
+        let d = Device::new(Box::new(b), CostModel::h200());
+        let mut s = d.lock();
+        // A first pool filled without a capture (a MemPool), then a capture begins: stream 7's
+        // pre-capture event is recorded again, so that it covers the work queued in between.
+        s.begin_capture(&[7]);
+        let first = ctl.take_recorded();
+        s.note_capturing(8);
+        s.begin_capture(&[7, 8]);
+        let second = ctl.take_recorded();
+        assert_eq!(
+            second.iter().map(|&(_, st)| st).collect::<Vec<_>>(),
+            [7],
+            "none on 8"
+        );
+        s.note_capturing(7);
+        let e = s.event_record(7).unwrap();
+        assert!(
+            s.event_query(second[0].0).unwrap(),
+            "waited for the newer event"
+        );
+        assert!(
+            s.event_query(first[0].0).is_err(),
+            "the older event was destroyed"
+        );
+        s.event_destroy(e);
+        s.clear_capturing();
     }
 
     #[test]

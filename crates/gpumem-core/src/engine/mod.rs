@@ -957,10 +957,9 @@ impl Allocator {
                 return Err(e);
             }
         }
-        if self.filling.fetch_add(1, Ordering::AcqRel) == 0 {
-            let streams = self.streams();
-            self.device.lock().begin_capture(&streams);
-        }
+        self.filling.fetch_add(1, Ordering::AcqRel);
+        let streams = self.streams();
+        self.device.lock().begin_capture(&streams);
         Ok(())
     }
 
