@@ -5,6 +5,11 @@
 //! held equal the device's, and (every few steps) the policy's structure holds (blocks tile
 //! their segments, no two free neighbours are left unmerged).
 //!
+//! CUDA graph captures come and go too: while one is underway, its stream allocates from a
+//! private pool (as PyTorch routes it), and no allocation outside a pool may ever overlap memory
+//! a pool with users has handed out; the pool's memory is free for others only once its last
+//! user is gone.
+//!
 //! GPUMEM_FUZZ_OPS sets the total number of operations (default 2,000,000 across all policies).
 
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
@@ -20,7 +25,12 @@ enum Op {
     UseOnStream { pick: usize, stream: u8 },
     CompleteEvents { count: usize },
     EmptyCache,
+    BeginCapture { pool: u8, stream: u8 },
+    EndCapture,
+    ReleasePool { pool: u8 },
 }
+
+const POOLS: [(u64, u64); 3] = [(1, 0), (2, 0), (0, 3)];
 
 fn size_strategy() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -40,6 +50,9 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), 0u8..3).prop_map(|(pick, stream)| Op::UseOnStream { pick, stream }),
         2 => (1usize..6).prop_map(|count| Op::CompleteEvents { count }),
         1 => Just(Op::EmptyCache),
+        1 => (0u8..3, 0u8..3).prop_map(|(pool, stream)| Op::BeginCapture { pool, stream }),
+        1 => Just(Op::EndCapture),
+        1 => (0u8..3).prop_map(|pool| Op::ReleasePool { pool }),
     ]
 }
 
@@ -55,6 +68,36 @@ struct Model {
     live: Vec<Live>,
     /// Address ranges freed but waiting for events: (start, end, requested bytes, events).
     quarantine: Vec<(u64, u64, u64, Vec<gpumem_core::backend::EventHandle>)>,
+    /// The capture underway: its pool and stream.
+    capture: Option<(usize, u64)>,
+    /// Each pool's users, and every range it handed out since it last had none.
+    pools: [(u32, Vec<(u64, u64)>); 3],
+}
+
+impl Model {
+    /// A pool with users that handed out memory overlapping `start..end`, other than `mine`.
+    fn pool_memory_at(&self, start: u64, end: u64, mine: Option<usize>) -> Option<usize> {
+        (0..POOLS.len()).find(|&p| {
+            Some(p) != mine
+                && self.pools[p].0 > 0
+                && self.pools[p].1.iter().any(|&(s, e)| start < e && s < end)
+        })
+    }
+
+    /// A range a pool with users handed out that the allocator no longer holds (given back to
+    /// the device, where another allocation could get it).
+    fn pool_memory_lost(&self, alloc: &Allocator) -> Option<(usize, u64, u64)> {
+        let segments = alloc.snapshot();
+        let held = |s: u64, e: u64| segments.iter().any(|g| g.addr <= s && e <= g.addr + g.size);
+        (0..POOLS.len())
+            .filter(|&p| self.pools[p].0 > 0)
+            .flat_map(|p| self.pools[p].1.iter().map(move |&(s, e)| (p, s, e)))
+            .find(|&(_, s, e)| !held(s, e))
+    }
+
+    fn pools_hold_memory(&self) -> bool {
+        self.capture.is_some() || self.pools.iter().any(|p| p.0 > 0 || !p.1.is_empty())
+    }
 }
 
 fn overlaps(map: &BTreeMap<u64, u64>, start: u64, end: u64) -> Option<(u64, u64)> {
@@ -78,6 +121,8 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
     let mut m = Model {
         live: Vec::new(),
         quarantine: Vec::new(),
+        capture: None,
+        pools: Default::default(),
     };
     let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
     let mut retries = 0;
@@ -85,18 +130,35 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
         match op {
             Op::Alloc { size, stream } => {
                 let s = STREAMS[*stream as usize];
-                match alloc.allocate(*size, s) {
+                // During a capture its stream's requests go to the capture's pool (PyTorch's
+                // filter routes them there).
+                let pool = m.capture.filter(|&(_, cs)| cs == s).map(|(p, _)| p);
+                let r = match pool {
+                    Some(p) => alloc.allocate_in_pool(*size, s, POOLS[p]),
+                    None => alloc.allocate(*size, s),
+                };
+                match r {
                     Ok(a) => {
                         prop_assert!(a.size >= *size, "block smaller than the request");
+                        let (start, end) = (a.ptr, a.ptr + a.size);
+                        if let Some(p) = m.pool_memory_at(start, end, pool) {
+                            return Err(TestCaseError::fail(format!(
+                                "{policy:?} step {step}: block {start:#x}..{end:#x} (pool {pool:?}) is in memory of pool {p}, which has users"
+                            )));
+                        }
+                        if let Some(p) = pool {
+                            m.pools[p].1.push((start, end));
+                        }
                         let r = alloc.memory_stats().num_alloc_retries;
                         if r > retries {
                             // This request found no room at first: the allocator waited for
                             // every event and released its cache (as PyTorch does), so nothing
-                            // is pending any more.
+                            // is pending any more; during a capture it could do neither.
                             retries = r;
-                            m.quarantine.clear();
+                            if m.capture.is_none() {
+                                m.quarantine.clear();
+                            }
                         }
-                        let (start, end) = (a.ptr, a.ptr + a.size);
                         if let Some((os, oe)) = overlaps(&ranges, start, end) {
                             return Err(TestCaseError::fail(format!(
                                 "{policy:?} step {step}: new block {start:#x}..{end:#x} overlaps live {os:#x}..{oe:#x}"
@@ -125,7 +187,9 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                         let live: u64 = m.live.iter().map(|l| l.a.size).sum();
                         let touch_bound = live + size + 4 * (2 << 20) * (m.live.len() as u64 + 1);
                         prop_assert!(
-                            policy != PolicyKind::Stitched || touch_bound >= 1 << 30,
+                            policy != PolicyKind::Stitched
+                                || touch_bound >= 1 << 30
+                                || m.pools_hold_memory(),
                             "{:?} step {}: OOM with only {} bytes live: {}",
                             policy,
                             step,
@@ -133,7 +197,9 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                             r
                         );
                         retries = alloc.memory_stats().num_alloc_retries;
-                        m.quarantine.clear();
+                        if m.capture.is_none() {
+                            m.quarantine.clear();
+                        }
                     }
                     Err(e) => {
                         return Err(TestCaseError::fail(format!("{policy:?} step {step}: {e}")))
@@ -142,6 +208,11 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
             }
             Op::Free { pick } => {
                 if m.live.is_empty() {
+                    continue;
+                }
+                // A block used on other streams freed during a capture waits, with no event,
+                // until the capture ends: not modelled here.
+                if m.capture.is_some() && !m.live[pick % m.live.len()].used_on.is_empty() {
                     continue;
                 }
                 let l = m.live.swap_remove(pick % m.live.len());
@@ -184,6 +255,12 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                     l.used_on.push(s);
                 }
             }
+            Op::CompleteEvents { .. } if m.capture.is_some() => {
+                // No event is queried during a capture: the blocks stay pending.
+                alloc
+                    .process_events()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
             Op::CompleteEvents { count } => {
                 for (_, _, _, evs) in m.quarantine.drain(..(*count).min(m.quarantine.len())) {
                     for e in evs {
@@ -193,6 +270,52 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                 alloc
                     .process_events()
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::EmptyCache if m.capture.is_some() => {
+                // Nothing is given back during a capture.
+                let held = alloc.held_bytes();
+                let freed = alloc
+                    .empty_cache()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(
+                    (freed, alloc.held_bytes()),
+                    (0, held),
+                    "empty_cache in a capture"
+                );
+            }
+            Op::BeginCapture { pool, stream } => {
+                if m.capture.is_some() {
+                    continue;
+                }
+                let p = *pool as usize;
+                alloc
+                    .begin_pool(POOLS[p])
+                    .map_err(|e| TestCaseError::fail(format!("{policy:?} step {step}: {e}")))?;
+                m.pools[p].0 += 1;
+                m.capture = Some((p, STREAMS[*stream as usize]));
+            }
+            Op::EndCapture => {
+                if let Some((p, _)) = m.capture.take() {
+                    alloc
+                        .end_pool(POOLS[p])
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                }
+            }
+            Op::ReleasePool { pool } => {
+                let p = *pool as usize;
+                if m.pools[p].0 == 0 || m.capture.is_some_and(|(c, _)| c == p) {
+                    prop_assert!(m.pools[p].0 > 0 || alloc.release_pool(POOLS[p]).is_err());
+                    continue;
+                }
+                alloc
+                    .release_pool(POOLS[p])
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                m.pools[p].0 -= 1;
+                if m.pools[p].0 == 0 {
+                    // Its memory may go to anyone now, once freed and given back.
+                    m.pools[p].1.clear();
+                }
+                prop_assert_eq!(alloc.pool_use_count(POOLS[p]), m.pools[p].0);
             }
             Op::EmptyCache => {
                 // empty_cache waits for every event (the host synchronizes).
@@ -206,9 +329,12 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
         let st = alloc.memory_stats();
         if st.num_alloc_retries > retries {
             // A request found no room, so the allocator waited for every event and released
-            // its cache before retrying (as PyTorch does): nothing is pending any more.
+            // its cache before retrying (as PyTorch does): nothing is pending any more (unless
+            // a capture was underway, during which it can do neither).
             retries = st.num_alloc_retries;
-            m.quarantine.clear();
+            if m.capture.is_none() {
+                m.quarantine.clear();
+            }
         }
         let allocated: u64 = m.live.iter().map(|l| l.a.size).sum();
         prop_assert_eq!(
@@ -242,6 +368,14 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
             "reserved = held"
         );
         prop_assert!(alloc.held_bytes() >= allocated, "held below allocated");
+        if matches!(op, Op::EmptyCache | Op::Alloc { .. }) {
+            // Where memory can be given back: a pool with users keeps all of its own.
+            if let Some((p, s, e)) = m.pool_memory_lost(&alloc) {
+                return Err(TestCaseError::fail(format!(
+                    "{policy:?} step {step}: pool {p} (with users) no longer holds {s:#x}..{e:#x}"
+                )));
+            }
+        }
         if step % 32 == 0 {
             alloc
                 .check()

@@ -60,6 +60,10 @@ struct ShardState {
     syncs: i64,
     /// A private pool in use (see [`pools`]): its cached memory is never released.
     kept: bool,
+    /// A private pool's blocks: the stream each was allocated on (the pool's shard serves
+    /// several), so that a use recorded on that stream is ignored as on a stream's own shard.
+    /// Entries of freed blocks stay until their address is handed out again.
+    owners: FxHashMap<DevPtr, Stream>,
 }
 
 /// The lock of a shard: a spin lock whose waiters yield the CPU. Uncontended (the common case:
@@ -242,6 +246,7 @@ impl Allocator {
                         ooms: 0,
                         syncs: 0,
                         kept: false,
+                        owners: FxHashMap::default(),
                     }),
                 }
             })
@@ -679,7 +684,9 @@ impl Allocator {
             if !st.policy.is_allocated(ptr) {
                 continue;
             }
-            if sh.stream != stream {
+            let own = sh.stream == stream
+                || (is_pool_key(sh.stream) && st.owners.get(&ptr) == Some(&stream));
+            if !own {
                 let uses = st.uses.entry(ptr).or_default();
                 if !uses.contains(&stream) {
                     uses.push(stream);
@@ -1056,10 +1063,12 @@ impl Allocator {
         let (idx, shard) = self.pool_shard(key)?;
         // The stream is capturing: no event may be recorded on it until the capture ends.
         self.device.lock().note_capturing(stream);
-        match self.place(shard, size, false)? {
-            Ok(p) => Ok(self.handed_out(p, size, stream, idx)),
-            Err(e) => self.allocate_again(size, stream, idx, shard, e),
-        }
+        let a = match self.place(shard, size, false)? {
+            Ok(p) => self.handed_out(p, size, stream, idx),
+            Err(e) => self.allocate_again(size, stream, idx, shard, e)?,
+        };
+        shard.state.lock().owners.insert(a.ptr, stream);
+        Ok(a)
     }
 
     /// The shard of the private pool under `key`, made on first use: always the caching
@@ -1077,6 +1086,7 @@ impl Allocator {
                     ooms: 0,
                     syncs: 0,
                     kept: true,
+                    owners: FxHashMap::default(),
                 }),
             })
             .map(|(i, s)| (i as u32, s))
