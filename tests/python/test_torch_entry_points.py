@@ -562,6 +562,7 @@ snap = gpumem.torch.snapshot(0)
 r["pool_segments"] = [[s["segment_pool_id"], s["stream"], s["is_expandable"],
                        [b["address"] for b in s["blocks"] if b["state"] == "active_allocated"]]
                       for s in snap["segments"] if tuple(s["segment_pool_id"]) != (0, 0)]
+r["summary"] = [l.strip() for l in gpumem.torch.memory_summary(0).splitlines() if "private pools" in l]
 after = [_native.torch_alloc(3 * MIB, 0, cap) for _ in range(3)]
 r["after_in_graph"] = inside in after
 for p in after:
@@ -589,6 +590,8 @@ print(json.dumps(r))
     # The snapshot names the graph's pool and its capture stream (stitched policy otherwise).
     assert r["pool_segments"] == [[[0, 41], 0xCA00, False, [r["inside"]]]], r["pool_segments"]
     assert not r["after_in_graph"], "after the capture an eager request got the graph's memory"
+    # memory_summary says what the pool holds (a 20 MiB segment, the 3 MiB block live).
+    assert len(r["summary"]) == 1 and "1 holding 20.00 MiB (3.00 MiB of it" in r["summary"][0], r["summary"]
     assert r["stats_allocated"] == 0
     assert r["kept"] >= 20 * MIB, "empty_cache took the memory of a graph still alive"
     rc_first, rc_second, msg = r["release"]

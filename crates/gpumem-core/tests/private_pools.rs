@@ -289,3 +289,26 @@ fn snapshots_show_a_graphs_pool_with_its_id_and_stream() {
         gpumem_core::report::snapshot::snapshot_pickle(&a).unwrap();
     }
 }
+
+#[test]
+fn the_notes_say_what_the_pools_hold() {
+    let (a, _) = audited_sim("policy:stitched", 8 * GIB);
+    assert!(!a.policy_notes().iter().any(|n| n.contains("private pools")));
+    a.begin_pool(GRAPH).unwrap();
+    let out = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+    a.end_pool(GRAPH).unwrap();
+    let note = a
+        .policy_notes()
+        .into_iter()
+        .find(|n| n.contains("private pools"))
+        .expect("a note on the pools");
+    // One pool of one 20 MiB segment (a 3 MiB request), 3 MiB of it live, one graph using it.
+    assert!(
+        note.contains(": 1 holding 20.00 MiB (3.00 MiB of it in live tensors); 1 user(s)"),
+        "{note}"
+    );
+    a.free(out.ptr).unwrap();
+    a.release_pool(GRAPH).unwrap();
+    a.empty_cache().unwrap();
+    assert!(!a.policy_notes().iter().any(|n| n.contains("private pools")));
+}

@@ -208,7 +208,42 @@ impl Allocator {
                 crate::units::format_size(p)
             )
         });
-        page.into_iter().chain(self.factory.notes()).collect()
+        page.into_iter()
+            .chain(self.factory.notes())
+            .chain(self.pools_note())
+            .collect()
+    }
+
+    /// A line on the private pools (CUDA graphs' memory), if any exist: how many, how many
+    /// graphs use them, and the memory they hold, which `empty_cache` cannot give back while
+    /// they are used.
+    fn pools_note(&self) -> Option<String> {
+        let pools: Vec<(PoolId, Stream, u32)> = {
+            let p = self.pools.lock();
+            p.keys().map(|(id, key)| (id, key, p.users(id))).collect()
+        };
+        if pools.is_empty() {
+            return None;
+        }
+        let (mut held, mut live, mut users) = (0u64, 0u64, 0u32);
+        for &(_, key, u) in &pools {
+            users += u;
+            if let Some((_, sh)) = self.shards.get(key) {
+                let st = sh.state.lock();
+                let s = st.policy.stats();
+                live += s.allocated_bytes.all.current.max(0) as u64;
+                held += st.policy.segments().iter().map(|g| g.size).sum::<u64>();
+            }
+        }
+        let f = crate::units::format_size;
+        Some(format!(
+            "private pools (CUDA graphs, MemPools): {} holding {} ({} of it in live tensors); {} \
+             user(s): while a pool has users, empty_cache leaves its memory",
+            pools.len(),
+            f(held),
+            f(live),
+            users
+        ))
     }
 
     /// The configuration.

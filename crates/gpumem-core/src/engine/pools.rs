@@ -189,6 +189,11 @@ impl Pools {
         }
     }
 
+    /// Every pool: (id, key).
+    pub fn keys(&self) -> impl Iterator<Item = (PoolId, Stream)> + '_ {
+        self.by_id.iter().map(|(&id, e)| (id, e.key))
+    }
+
     /// Number of pools that exist.
     pub fn len(&self) -> usize {
         self.by_id.len()
