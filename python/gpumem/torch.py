@@ -9,6 +9,8 @@ From then on every CUDA tensor of the process is allocated by gpumem (one alloca
 device, created on the first request for that device). ``torch.cuda.empty_cache()`` and
 ``torch.cuda.set_per_process_memory_fraction()`` reach gpumem, ``Tensor.record_stream`` is
 honoured, and an allocation that cannot be met raises ``torch.cuda.OutOfMemoryError``.
+CUDA graphs (``torch.cuda.graph``, ``make_graphed_callables``) get private pools: what a
+capture allocates stays the graph's until the graph is destroyed.
 
 PyTorch's own statistics functions do not work under a pluggable allocator; this module
 provides them in the same shapes (``memory_stats``, ``memory_summary``, ``snapshot``...), and
