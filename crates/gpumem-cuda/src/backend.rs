@@ -343,6 +343,20 @@ impl CudaBackend {
 }
 
 /// Pinned device memory on `dev`: the kind of physical page gpumem maps.
+/// A new event of the current context (a `CUevent` as an integer), timing off, which makes
+/// events cheaper.
+fn new_event() -> Result<u64, BackendError> {
+    let mut e: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: `e` is a valid place for the new event; callers bind the context first.
+    check(DriverCall::EventRecord, unsafe {
+        sys::cuEventCreate(
+            &mut e,
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+        )
+    })?;
+    Ok(e as usize as u64)
+}
+
 fn page_properties(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
@@ -563,17 +577,7 @@ impl Backend for CudaBackend {
         let _ctx = self.bind()?;
         let ev = match self.idle_events.pop() {
             Some(e) => e,
-            None => {
-                let mut e: sys::CUevent = std::ptr::null_mut();
-                // SAFETY: `e` is a valid place; timing is off, which makes events cheaper.
-                check(DriverCall::EventRecord, unsafe {
-                    sys::cuEventCreate(
-                        &mut e,
-                        sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
-                    )
-                })?;
-                e as usize as u64
-            }
+            None => new_event()?,
         };
         // SAFETY: `ev` is an event of this context; the stream handle is the caller's (a
         // stream of this context, or an alias set up for one).
@@ -589,17 +593,9 @@ impl Backend for CudaBackend {
 
     fn event_completed(&mut self) -> Result<EventHandle, BackendError> {
         let _ctx = self.bind()?;
-        let mut e: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: `e` is a valid place. A new event, never recorded, reads as completed
-        // (cuEventQuery returns CUDA_SUCCESS), which is what it stands for; a recycled one
-        // might still be waiting on its last record.
-        check(DriverCall::EventRecord, unsafe {
-            sys::cuEventCreate(
-                &mut e,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
-            )
-        })?;
-        let ev = e as usize as u64;
+        // A new event, never recorded, reads as completed (cuEventQuery returns CUDA_SUCCESS),
+        // which is what it stands for; a recycled one might still be waiting on its last record.
+        let ev = new_event()?;
         self.live_events.insert(ev);
         Ok(EventHandle(ev))
     }

@@ -296,6 +296,20 @@ pub(crate) fn parse_conf(text: &str) -> Result<Config, AllocError> {
     )
 }
 
+/// c10's calls on a private pool (CUDA graphs, MemPools): see the engine's methods of the same
+/// names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolOp {
+    /// `beginAllocateToPool`: a capture starts filling it ([`Allocator::begin_pool`]).
+    Begin,
+    /// `createOrIncrefPool`: a MemPool takes it ([`Allocator::retain_pool`]).
+    Retain,
+    /// `endAllocateToPool`: the capture ended ([`Allocator::end_pool`]).
+    End,
+    /// `releasePool`: a graph or MemPool let go of it ([`Allocator::release_pool`]).
+    Release,
+}
+
 /// The per-device allocators of the process.
 pub struct Registry {
     slots: Box<[OnceLock<DeviceSlot>]>,
@@ -583,37 +597,16 @@ impl Registry {
         .map_err(|e| torch_error(d, size, e))
     }
 
-    /// A CUDA graph capture begins filling private pool `id` on `device` (c10's
-    /// `beginAllocateToPool`); see [`gpumem_core::Allocator::begin_pool`].
-    pub fn pool_begin(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
-        let slot = self.device(device)?;
-        slot.alloc
-            .begin_pool(id)
-            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
-    }
-
-    /// A `torch.cuda.MemPool` takes pool `id` on `device` (c10's `createOrIncrefPool`).
-    pub fn pool_retain(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
-        let slot = self.device(device)?;
-        slot.alloc
-            .retain_pool(id)
-            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
-    }
-
-    /// The capture filling pool `id` ended (c10's `endAllocateToPool`).
-    pub fn pool_end(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
-        let slot = self.device(device)?;
-        slot.alloc
-            .end_pool(id)
-            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
-    }
-
-    /// A graph using pool `id` was destroyed (c10's `releasePool`).
-    pub fn pool_release(&self, device: usize, id: PoolId) -> Result<(), TorchError> {
-        let slot = self.device(device)?;
-        slot.alloc
-            .release_pool(id)
-            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    /// One of c10's calls on private pool `id` of `device` (see [`PoolOp`]).
+    pub fn pool(&self, device: usize, op: PoolOp, id: PoolId) -> Result<(), TorchError> {
+        let a = &self.device(device)?.alloc;
+        match op {
+            PoolOp::Begin => a.begin_pool(id),
+            PoolOp::Retain => a.retain_pool(id),
+            PoolOp::End => a.end_pool(id),
+            PoolOp::Release => a.release_pool(id),
+        }
+        .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
     }
 
     /// Users of pool `id` on `device` (c10's `getPoolUseCount`); 0 where gpumem never

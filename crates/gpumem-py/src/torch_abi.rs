@@ -37,7 +37,7 @@
 //! PyTorch. The free function runs inside PyTorch's deleters, where an exception would end the
 //! process, so it reports misuse on stderr and in counters instead.
 
-use crate::registry::{device_index, global, warn, FreeOutcome, TorchError};
+use crate::registry::{device_index, global, warn, FreeOutcome, PoolOp, TorchError};
 use gpumem_core::backend::DevPtr;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -490,9 +490,7 @@ pub extern "C" fn gpumem_torch_pool_begin(
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, err, err_len, |d| {
-        global().pool_begin(d, (first, second))
-    })
+    pool_call(device, PoolOp::Begin, (first, second), err, err_len)
 }
 
 /// A `torch.cuda.MemPool` takes pool (`first`, `second`) on `device`, made on first use
@@ -505,9 +503,7 @@ pub extern "C" fn gpumem_torch_pool_retain(
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, err, err_len, |d| {
-        global().pool_retain(d, (first, second))
-    })
+    pool_call(device, PoolOp::Retain, (first, second), err, err_len)
 }
 
 /// The capture filling pool (`first`, `second`) on `device` ended. As
@@ -520,9 +516,7 @@ pub extern "C" fn gpumem_torch_pool_end(
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, err, err_len, |d| {
-        global().pool_end(d, (first, second))
-    })
+    pool_call(device, PoolOp::End, (first, second), err, err_len)
 }
 
 /// A graph using pool (`first`, `second`) on `device` was destroyed. As
@@ -535,9 +529,7 @@ pub extern "C" fn gpumem_torch_pool_release(
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, err, err_len, |d| {
-        global().pool_release(d, (first, second))
-    })
+    pool_call(device, PoolOp::Release, (first, second), err, err_len)
 }
 
 /// Users of pool (`first`, `second`) on `device`: the graphs captured into it and not yet
@@ -551,14 +543,9 @@ pub extern "C" fn gpumem_torch_pool_use_count(device: c_int, first: u64, second:
         .map_or(0, |n| n.min(c_int::MAX as u32) as c_int)
 }
 
-fn pool_call(
-    device: c_int,
-    err: *mut c_char,
-    err_len: usize,
-    f: impl FnOnce(usize) -> Result<(), TorchError>,
-) -> c_int {
+fn pool_call(device: c_int, op: PoolOp, id: (u64, u64), err: *mut c_char, err_len: usize) -> c_int {
     let r = match device_index(device) {
-        Ok(d) => catch_unwind(AssertUnwindSafe(|| f(d))).unwrap_or_else(|_| {
+        Ok(d) => catch_unwind(|| global().pool(d, op, id)).unwrap_or_else(|_| {
             Err(TorchError::Other(
                 "gpumem: internal error (a panic) in a private-pool call".into(),
             ))

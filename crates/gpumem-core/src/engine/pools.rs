@@ -62,61 +62,41 @@ impl Pools {
     /// A capture starts filling pool `id`: made on first use, one more user. Refused for the
     /// null id and for a pool another capture is filling now (as PyTorch refuses it).
     pub fn begin(&mut self, id: PoolId) -> Result<Begun, String> {
-        if id == (0, 0) {
-            return Err("pool id (0, 0) names no pool".into());
+        let e = self.entry(id)?;
+        if e.filling {
+            return Err(format!(
+                "private pool ({}, {}) is already being filled by another capture",
+                id.0, id.1
+            ));
         }
-        if let Some(e) = self.by_id.get_mut(&id) {
-            if e.filling {
-                return Err(format!(
-                    "private pool ({}, {}) is already being filled by another capture",
-                    id.0, id.1
-                ));
-            }
-            e.filling = true;
-            e.users += 1;
-            return Ok(Begun { key: e.key });
-        }
-        let key = self.new_key();
-        self.by_id.insert(
-            id,
-            Entry {
-                key,
-                users: 1,
-                filling: true,
-                stream: None,
-            },
-        );
-        Ok(Begun { key })
+        e.filling = true;
+        e.users += 1;
+        Ok(Begun { key: e.key })
     }
 
     /// A user takes pool `id` without filling it (PyTorch's `createOrIncrefPool`, made by a
     /// `torch.cuda.MemPool`): made on first use, one more user. Returns its key.
     pub fn retain(&mut self, id: PoolId) -> Result<Stream, String> {
+        let e = self.entry(id)?;
+        e.users += 1;
+        Ok(e.key)
+    }
+
+    /// Pool `id`, made (with no user) if it does not exist; refused for the null id.
+    fn entry(&mut self, id: PoolId) -> Result<&mut Entry, String> {
         if id == (0, 0) {
             return Err("pool id (0, 0) names no pool".into());
         }
-        if let Some(e) = self.by_id.get_mut(&id) {
-            e.users += 1;
-            return Ok(e.key);
-        }
-        let key = self.new_key();
-        self.by_id.insert(
-            id,
-            Entry {
-                key,
-                users: 1,
-                filling: false,
-                stream: None,
-            },
-        );
-        Ok(key)
-    }
-
-    fn new_key(&mut self) -> Stream {
-        self.spare.pop().unwrap_or_else(|| {
-            self.made += 1;
-            POOL_KEY_BASE + self.made
-        })
+        let (spare, made) = (&mut self.spare, &mut self.made);
+        Ok(self.by_id.entry(id).or_insert_with(|| Entry {
+            key: spare.pop().unwrap_or_else(|| {
+                *made += 1;
+                POOL_KEY_BASE + *made
+            }),
+            users: 0,
+            filling: false,
+            stream: None,
+        }))
     }
 
     /// The capture filling pool `id` ended: allocations no longer go to it (its user stays
