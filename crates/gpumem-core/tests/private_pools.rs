@@ -312,3 +312,30 @@ fn the_notes_say_what_the_pools_hold() {
     a.empty_cache().unwrap();
     assert!(!a.policy_notes().iter().any(|n| n.contains("private pools")));
 }
+
+#[test]
+fn a_pools_own_empty_cache_gives_back_that_pool_alone() {
+    let (a, _) = audited_sim("policy:caching", 8 * GIB);
+    let eager = a.allocate(5 * MIB, SIDE).unwrap();
+    a.free(eager.ptr).unwrap(); // 20 MiB cached on another stream
+    a.begin_pool(GRAPH).unwrap();
+    let x = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+    a.end_pool(GRAPH).unwrap();
+    a.free(x.ptr).unwrap();
+    assert_eq!(
+        a.empty_pool_cache(GRAPH).unwrap(),
+        0,
+        "a graph still uses the pool"
+    );
+    assert_eq!(a.empty_pool_cache((7, 7)).unwrap(), 0, "no such pool");
+    a.release_pool(GRAPH).unwrap();
+    let held = a.held_bytes();
+    assert_eq!(a.empty_pool_cache(GRAPH).unwrap(), 20 * MIB);
+    assert_eq!(
+        a.held_bytes(),
+        held - 20 * MIB,
+        "the other stream's cache stays"
+    );
+    assert_eq!(a.pool_count(), 0);
+    assert_eq!(a.empty_cache().unwrap(), 20 * MIB);
+}

@@ -857,6 +857,25 @@ impl Registry {
         released
     }
 
+    /// c10's `emptyCache(mempool_id)`: every device returns the cached memory of private pool
+    /// `id` alone, if no one uses it any more.
+    pub fn empty_pool_cache(&self, id: PoolId) -> u64 {
+        let mut released = 0;
+        for d in 0..MAX_DEVICES {
+            let Some(slot) = self.get(d) else { continue };
+            match slot.alloc.empty_pool_cache(id) {
+                Ok(b) => released += b,
+                Err(e) => {
+                    let c = &self.counters;
+                    c.count(WARN_OTHER, &c.other_errors, || {
+                        format!("empty_cache of a pool on device {d} failed: {e}")
+                    });
+                }
+            }
+        }
+        released
+    }
+
     /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`: caps the memory gpumem
     /// holds on `device` (0 allows nothing).
     pub fn set_memory_fraction(&self, fraction: f64, device: i32) -> Result<(), TorchError> {

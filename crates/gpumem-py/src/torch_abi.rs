@@ -18,6 +18,7 @@
 //! | [`gpumem_torch_pool_hook_address`] | the addresses of the C++ hooks of CUDA graph capture: `set_begin_allocate_to_pool`, `set_end_allocate_to_pool_fn`, `set_release_pool` (and the native allocator's methods of the same names) | `size_t (int which)` |
 //! | [`gpumem_torch_pool_begin`], [`gpumem_torch_pool_end`], [`gpumem_torch_pool_release`] | what those hooks call: a private pool begun, ended, released | `int (int device, uint64_t first, uint64_t second, char* err, size_t err_len)` |
 //! | [`gpumem_torch_pool_use_count`] | the native allocator's `getPoolUseCount` | `int (int device, uint64_t first, uint64_t second)` |
+//! | [`gpumem_torch_empty_pool`] | the native allocator's `emptyCache(mempool_id)` of one pool | `void (uint64_t first, uint64_t second)` |
 //! | [`gpumem_torch_pool_retain`] | the native allocator's `createOrIncrefPool` (`torch.cuda.MemPool`) | as [`gpumem_torch_pool_begin`] |
 //!
 //! CUDA graphs (`torch.cuda.graph`, `make_graphed_callables`) get private pools: while a
@@ -315,6 +316,18 @@ pub extern "C" fn gpumem_torch_empty_cache() {
     if catch_unwind(|| global().empty_cache()).is_err() {
         warn(format_args!(
             "gpumem: internal error (a panic) in empty_cache; please report it"
+        ));
+    }
+}
+
+/// c10's `emptyCache(mempool_id)` for a pool other than (0, 0): every device returns the
+/// cached memory of that private pool alone, once no one uses it (a `torch.cuda.MemPool`'s
+/// destructor calls it).
+#[no_mangle]
+pub extern "C" fn gpumem_torch_empty_pool(first: u64, second: u64) {
+    if catch_unwind(|| global().empty_pool_cache((first, second))).is_err() {
+        warn(format_args!(
+            "gpumem: internal error (a panic) in empty_cache of a pool; please report it"
         ));
     }
 }

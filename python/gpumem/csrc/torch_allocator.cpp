@@ -67,6 +67,7 @@ using MemoryFractionFn = double (*)(int device);
 using PoolUseCountFn = int (*)(int device, uint64_t first, uint64_t second);
 using PoolRetainFn = int (*)(int device, uint64_t first, uint64_t second, char* err,
                              size_t err_len);
+using EmptyPoolFn = void (*)(uint64_t first, uint64_t second);
 // The shim's CUDA graph hooks (crates/gpumem-py/shim/torch_shim.cpp); begin and end may throw.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
@@ -92,6 +93,7 @@ struct Hooks {
   MemoryFractionFn memory_fraction = nullptr;
   PoolUseCountFn pool_use_count = nullptr;
   PoolRetainFn pool_retain = nullptr;
+  EmptyPoolFn empty_pool = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
   PoolFn end_allocate_to_pool = nullptr;
   PoolFn release_pool = nullptr;
@@ -245,7 +247,15 @@ class GpumemAllocator final : public cca::CUDAAllocator {
 
   void init(int /*device_count*/) override { initialized_.store(true); }
   bool initialized() override { return initialized_.load(); }
-  void emptyCache(c10::MempoolId_t /*mempool_id*/) override { hooks.empty_cache(); }
+  // (0, 0): every cache (torch.cuda.empty_cache); a pool's id: that pool's alone, once no one
+  // uses it (a MemPool's destructor).
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      hooks.empty_cache();
+    } else {
+      hooks.empty_pool(mempool_id.first, mempool_id.second);
+    }
+  }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     hooks.set_fraction(fraction, device);
   }
@@ -394,7 +404,7 @@ extern "C" int gpumem_native_install(const uintptr_t* addresses, int count, char
                                 &h.empty_cache, &h.set_fraction, &h.cache_info, &h.device_stats,
                                 &h.reset_peak_stats, &h.reset_accumulated_stats,
                                 &h.limit_and_free, &h.memory_fraction, &h.pool_use_count,
-                                &h.pool_retain, &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
+                                &h.pool_retain, &h.empty_pool, &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
                                 &h.release_pool);
   constexpr int kHooks = static_cast<int>(std::tuple_size<decltype(fields)>::value);
   if (addresses == nullptr || count != kHooks) {

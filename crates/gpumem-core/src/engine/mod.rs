@@ -774,6 +774,34 @@ impl Allocator {
         Ok(freed)
     }
 
+    /// Returns to the device the cached memory of private pool `id` alone, if no one uses it
+    /// any more (PyTorch's `emptyCache(mempool_id)`, which a `torch.cuda.MemPool`'s destructor
+    /// calls), and forgets it if that leaves it empty. Returns the bytes released: 0 for a pool
+    /// still in use or unknown, and while a capture is underway.
+    pub fn empty_pool_cache(&self, id: PoolId) -> Result<u64, AllocError> {
+        if self.pools_filling() {
+            return Ok(0);
+        }
+        let Some(key) = self.pools.lock().key_of(id) else {
+            return Ok(0);
+        };
+        let Some((_, sh)) = self.shards.get(key) else {
+            return Ok(0);
+        };
+        let freed = {
+            let mut st = sh.state.lock();
+            if st.kept {
+                return Ok(0);
+            }
+            if !st.pending.is_empty() {
+                self.poll_events(&mut st, sh.stream, true)?;
+            }
+            st.policy.release_cached(&self.device)?
+        };
+        self.retire_pools();
+        Ok(freed)
+    }
+
     /// Forgets the private pools no one uses whose shards hold nothing any more.
     fn retire_pools(&self) {
         let mut pools = self.pools.lock();

@@ -169,6 +169,11 @@ impl Pools {
         }
     }
 
+    /// The key of pool `id`, if it exists.
+    pub fn key_of(&self, id: PoolId) -> Option<Stream> {
+        self.by_id.get(&id).map(|e| e.key)
+    }
+
     /// Every pool: (id, key).
     pub fn keys(&self) -> impl Iterator<Item = (PoolId, Stream)> + '_ {
         self.by_id.iter().map(|(&id, e)| (id, e.key))
