@@ -352,8 +352,14 @@ void begin_allocate_to_pool(int device, PoolId pool, StreamFilter filter) {
   if (gpumem_torch_pool_begin(device, pool.first, pool.second, err, sizeof err) != 0) {
     throw gpumem::Error(std::string("cannot begin a CUDA graph capture: ") + err);
   }
-  std::lock_guard<std::mutex> lock(g_captures_mutex);
-  g_captures.push_back(Capture{device, pool, std::move(filter)});
+  try {
+    std::lock_guard<std::mutex> lock(g_captures_mutex);
+    g_captures.push_back(Capture{device, pool, std::move(filter)});
+  } catch (...) {
+    // Not recorded here (out of memory on the host): gpumem must not stay in capture mode.
+    gpumem_torch_pool_end(device, pool.first, pool.second, err, sizeof err);
+    throw;
+  }
 }
 
 void end_allocate_to_pool(int device, PoolId pool) {
