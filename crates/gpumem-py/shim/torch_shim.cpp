@@ -356,8 +356,10 @@ void begin_allocate_to_pool(int device, PoolId pool, StreamFilter filter) {
     std::lock_guard<std::mutex> lock(g_captures_mutex);
     g_captures.push_back(Capture{device, pool, std::move(filter)});
   } catch (...) {
-    // Not recorded here (out of memory on the host): gpumem must not stay in capture mode.
+    // Not recorded here (out of memory on the host): undone on gpumem's side too, so that it
+    // neither stays in capture mode nor keeps the pool for a graph that will never exist.
     gpumem_torch_pool_end(device, pool.first, pool.second, err, sizeof err);
+    gpumem_torch_pool_release(device, pool.first, pool.second, err, sizeof err);
     throw;
   }
 }
