@@ -285,8 +285,30 @@ fn snapshots_show_a_graphs_pool_with_its_id_and_stream() {
             .find(|s| s.address <= eager.ptr && eager.ptr < s.address + s.total_size)
             .unwrap();
         assert_eq!((eager_seg.pool_id, eager_seg.stream), ((0, 0), SIDE), "{p}");
-        // The pickle PyTorch's visualizer reads is written from the same segments.
-        gpumem_core::report::snapshot::snapshot_pickle(&a).unwrap();
+        // The pickle PyTorch's visualizer reads is written from the same segments, and the
+        // trace reader finds the pool in it: a replay warns that it serves such allocations
+        // from the ordinary pools.
+        let bytes = gpumem_core::report::snapshot::snapshot_pickle(&a).unwrap();
+        let back = gpumem_core::trace::pickle::read_snapshot_bytes(bytes, p, 0).unwrap();
+        let ids: Vec<_> = back.segments.iter().map(|s| s.pool_id).collect();
+        assert_eq!(
+            ids.iter().filter(|&&id| id == GRAPH).count(),
+            1,
+            "{p}: {ids:?}"
+        );
+        assert!(
+            ids.iter().all(|&id| id == GRAPH || id == (0, 0)),
+            "{p}: {ids:?}"
+        );
+        assert_eq!(back.trace.meta.pool_segments, 1, "{p}");
+        assert!(
+            back.trace
+                .warnings()
+                .iter()
+                .any(|w| w.starts_with("1 segments belonged to private pools")),
+            "{p}: {:?}",
+            back.trace.warnings()
+        );
     }
 }
 

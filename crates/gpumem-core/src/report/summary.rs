@@ -739,6 +739,7 @@ mod tests {
                 stream: 0,
                 pool: Pool::Large,
                 is_expandable: false,
+                pool_id: (0, 0),
                 blocks: vec![
                     SnapshotBlock {
                         address: big,

@@ -120,6 +120,10 @@ pub struct TraceMeta {
     /// or none.
     #[serde(default)]
     pub skipped_entries: u64,
+    /// Segments that belonged to private pools (CUDA graphs, MemPools) when the snapshot was
+    /// taken (PyTorch snapshots).
+    #[serde(default)]
+    pub pool_segments: u64,
 }
 
 /// A trace in memory.
@@ -157,6 +161,14 @@ impl Trace {
                 "{} entries have an action gpumem does not replay (such as oom or snapshot) or none; \
                  they were left out",
                 self.meta.skipped_entries
+            ));
+        }
+        if self.meta.pool_segments > 0 {
+            w.push(format!(
+                "{} segments belonged to private pools (CUDA graphs or MemPools) when the \
+                 snapshot was taken; the replay serves every allocation from the ordinary pools, \
+                 so memory a graph kept to itself may be shared here",
+                self.meta.pool_segments
             ));
         }
         if zero > 0 {

@@ -26,6 +26,8 @@ enum V {
     List(Vec<V>),
     Dict(Vec<(V, V)>),
     Tuple,
+    /// A tuple of two integers (a segment's `segment_pool_id`); other tuples are not kept.
+    IntPair(i64, i64),
     /// A list whose trace entries were streamed out (index into the event lists).
     Events(u32),
     /// A trace-entry dict, already converted (index into the scratch buffer; `None` there
@@ -787,8 +789,8 @@ impl<'a> Vm<'a> {
                     self.append(items)?;
                 }
                 b't' => {
-                    self.pop_mark()?;
-                    self.stack.push(V::Tuple);
+                    let items = self.pop_mark()?;
+                    self.stack.push(tuple_of(&items));
                 }
                 0x91 => {
                     // FROZENSET
@@ -800,8 +802,9 @@ impl<'a> Vm<'a> {
                     if self.stack.len() < n {
                         return Err(malformed(off, "TUPLE with too few items"));
                     }
+                    let t = tuple_of(&self.stack[self.stack.len() - n..]);
                     self.stack.truncate(self.stack.len() - n);
-                    self.stack.push(V::Tuple);
+                    self.stack.push(t);
                 }
                 b'0' => {
                     self.pop()?;
@@ -951,6 +954,9 @@ pub struct SnapshotSegment {
     pub pool: Pool,
     /// Part of an expandable segment (a mapped range of a virtual reservation).
     pub is_expandable: bool,
+    /// The private pool (a CUDA graph's or a MemPool's) it belonged to, as PyTorch names it
+    /// (`segment_pool_id`); (0, 0) for none.
+    pub pool_id: (u64, u64),
     /// Blocks by address.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -1076,10 +1082,19 @@ pub fn read_snapshot_full(inp: &mut Input, device: u32) -> Result<Snapshot, Trac
         Some(V::Shared) | None => Vec::new(),
         Some(_) => return Err(malformed(0, format!("{name}: 'segments' is not a list"))),
     };
+    meta.pool_segments = segments.iter().filter(|s| s.pool_id != (0, 0)).count() as u64;
     Ok(Snapshot {
         trace: Trace { events, meta },
         segments,
     })
+}
+
+/// A tuple's value: a pair of integers is kept (`segment_pool_id`), any other tuple is not.
+fn tuple_of(items: &[V]) -> V {
+    match items {
+        [V::Int(a), V::Int(b)] => V::IntPair(*a, *b),
+        _ => V::Tuple,
+    }
 }
 
 impl Vm<'_> {
@@ -1147,6 +1162,10 @@ impl Vm<'_> {
             }
         };
         let is_expandable = matches!(self.get(items, "is_expandable"), Some(V::Bool(true)));
+        let pool_id = match self.get(items, "segment_pool_id") {
+            Some(&V::IntPair(a, b)) => (a as u64, b as u64),
+            _ => (0, 0),
+        };
         let mut blocks = Vec::new();
         if let Some(V::List(l)) = self.get(items, "blocks") {
             let mut next = address;
@@ -1193,6 +1212,7 @@ impl Vm<'_> {
             stream,
             pool,
             is_expandable,
+            pool_id,
             blocks,
         })
     }
