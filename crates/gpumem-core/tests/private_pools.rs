@@ -301,6 +301,16 @@ fn snapshots_show_a_graphs_pool_with_its_id_and_stream() {
             "{p}: {ids:?}"
         );
         assert_eq!(back.trace.meta.pool_segments, 1, "{p}");
+        // `gpumem summary` of it says so too.
+        let summary = gpumem_core::report::summary::snapshot_stats(&back);
+        assert!(
+            summary
+                .notes
+                .iter()
+                .any(|n| n.contains("(20.00 MiB held) belong to 1 private pool")),
+            "{p}: {:?}",
+            summary.notes
+        );
         assert!(
             back.trace
                 .warnings()

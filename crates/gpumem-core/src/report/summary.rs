@@ -347,6 +347,24 @@ pub fn snapshot_stats(snap: &Snapshot) -> SnapshotStats {
     st.reset_accumulated();
     let events = &snap.trace.events;
     let mut notes = Vec::new();
+    let pooled: Vec<_> = snap
+        .segments
+        .iter()
+        .filter(|s| s.pool_id != (0, 0))
+        .collect();
+    if !pooled.is_empty() {
+        let mut ids: Vec<_> = pooled.iter().map(|s| s.pool_id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        notes.push(format!(
+            "{} of the {} segments ({} held) belong to {} private pool(s) (CUDA graphs or \
+             MemPools), whose memory no other allocation may take.",
+            pooled.len(),
+            snap.segments.len(),
+            crate::units::format_size(pooled.iter().map(|s| s.total_size).sum()),
+            ids.len()
+        ));
+    }
     let mut current_only = vec!["inactive_split", "inactive_split_bytes"];
     if events.is_empty() {
         current_only = METRICS.iter().map(|m| m.0).collect();
