@@ -151,10 +151,10 @@ pub struct DeviceState {
     /// Whether the backend is the simulated device (see [`DeviceState::driver_seconds`]).
     simulated: bool,
     /// Streams seen capturing a CUDA graph (allocating into a private pool) while captures are
-    /// underway: no event is recorded or waited for on them, which would become part of the
-    /// graph (see [`DeviceState::note_capturing`]).
+    /// underway: nothing is recorded on them, which would become part of the graph, and no
+    /// stream wait is added to them (see [`DeviceState::note_capturing`]).
     capturing: Vec<Stream>,
-    /// Events recorded on the allocator's streams as the first capture began (before PyTorch
+    /// Events recorded on the allocator's streams as the latest capture began (before PyTorch
     /// begins the capture itself): they cover all the work a capturing stream will run before
     /// its graph is launched (see [`DeviceState::event_record`]).
     pre_capture: Vec<(Stream, EventHandle)>,
@@ -644,11 +644,10 @@ impl DeviceState {
         self.call(DriverCall::EventRecord, 0, 0, |b| b.event_record(stream))
     }
 
-    /// `stream` is capturing a CUDA graph (it allocates into a private pool): until
-    /// [`DeviceState::clear_capturing`], events on it stand for its pre-capture work (see
-    /// [`DeviceState::event_record`]) and no stream wait is added to it (that would join
+    /// `stream` allocated in a private pool: if the device says it is capturing a CUDA graph,
+    /// then until [`DeviceState::clear_capturing`] events on it stand for its pre-capture work
+    /// (see [`DeviceState::event_record`]) and no stream wait is added to it (that would join
     /// outside work to the graph).
-    /// `stream` allocated in a private pool: noted as capturing if the device says it is.
     pub fn note_capturing(&mut self, stream: Stream) {
         if !self.capturing.contains(&stream)
             && self.backend.stream_is_capturing(stream).unwrap_or(false)
@@ -756,13 +755,18 @@ mod tests {
         Device::new(Box::new(b), CostModel::h200())
     }
 
-    #[test]
-    fn no_event_is_recorded_or_waited_for_on_a_capturing_stream() {
+    /// A device whose events complete only when the test (or a host wait) says so.
+    fn manual_dev() -> (Device, crate::backend::sim::SimControl) {
         let (b, ctl) = SimBackend::new(SimConfig {
             event_mode: crate::backend::sim::EventMode::Manual,
             ..SimConfig::default()
         });
-        let d = Device::new(Box::new(b), CostModel::h200());
+        (Device::new(Box::new(b), CostModel::h200()), ctl)
+    }
+
+    #[test]
+    fn no_event_is_recorded_or_waited_for_on_a_capturing_stream() {
+        let (d, ctl) = manual_dev();
         let mut s = d.lock();
         let before = s.event_record(5).unwrap();
         // Stream 7 had work when the capture began; stream 5 is not one of the allocator's.
@@ -796,11 +800,7 @@ mod tests {
 
     #[test]
     fn each_capture_waits_for_the_work_before_it_and_not_on_capturing_streams() {
-        let (b, ctl) = SimBackend::new(SimConfig {
-            event_mode: crate::backend::sim::EventMode::Manual,
-            ..SimConfig::default()
-        });
-        let d = Device::new(Box::new(b), CostModel::h200());
+        let (d, ctl) = manual_dev();
         let mut s = d.lock();
         // A first pool filled without a capture (a MemPool), then a capture begins: stream 7's
         // pre-capture event is recorded again, so that it covers the work queued in between.

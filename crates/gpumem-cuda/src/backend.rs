@@ -342,7 +342,6 @@ impl CudaBackend {
     }
 }
 
-/// Pinned device memory on `dev`: the kind of physical page gpumem maps.
 /// A new event of the current context (a `CUevent` as an integer), timing off, which makes
 /// events cheaper.
 fn new_event() -> Result<u64, BackendError> {
@@ -357,6 +356,7 @@ fn new_event() -> Result<u64, BackendError> {
     Ok(e as usize as u64)
 }
 
+/// Pinned device memory on `dev`: the kind of physical page gpumem maps.
 fn page_properties(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,

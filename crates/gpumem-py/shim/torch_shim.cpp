@@ -441,10 +441,7 @@ int gpumem_shim_test_capture(int begin, int device, uint64_t first, uint64_t sec
     }
     return 0;
   } catch (const std::exception& e) {
-    if (err != nullptr && err_len > 0) {
-      std::strncpy(err, e.what(), err_len - 1);
-      err[err_len - 1] = 0;
-    }
+    copy_out(e.what(), err, err_len);
     return 1;
   }
 }

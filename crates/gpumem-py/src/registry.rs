@@ -841,34 +841,31 @@ impl Registry {
     /// `torch.cuda.empty_cache()`: every device returns its unused cached memory. Returns the
     /// bytes released.
     pub fn empty_cache(&self) -> u64 {
-        let mut released = 0;
-        for d in 0..MAX_DEVICES {
-            let Some(slot) = self.get(d) else { continue };
-            match slot.alloc.empty_cache() {
-                Ok(b) => released += b,
-                Err(e) => {
-                    let c = &self.counters;
-                    c.count(WARN_OTHER, &c.other_errors, || {
-                        format!("empty_cache on device {d} failed: {e}")
-                    });
-                }
-            }
-        }
-        released
+        self.release_on_every_device("empty_cache", Allocator::empty_cache)
     }
 
     /// c10's `emptyCache(mempool_id)`: every device returns the cached memory of private pool
     /// `id` alone, if no one uses it any more.
     pub fn empty_pool_cache(&self, id: PoolId) -> u64 {
+        self.release_on_every_device("empty_cache of a pool", |a| a.empty_pool_cache(id))
+    }
+
+    /// Runs `release` on every device gpumem allocated on, summing the bytes released; a
+    /// device that fails is counted and reported (named `what`), the others go on.
+    fn release_on_every_device(
+        &self,
+        what: &str,
+        release: impl Fn(&Allocator) -> Result<u64, AllocError>,
+    ) -> u64 {
         let mut released = 0;
         for d in 0..MAX_DEVICES {
             let Some(slot) = self.get(d) else { continue };
-            match slot.alloc.empty_pool_cache(id) {
+            match release(&slot.alloc) {
                 Ok(b) => released += b,
                 Err(e) => {
                     let c = &self.counters;
                     c.count(WARN_OTHER, &c.other_errors, || {
-                        format!("empty_cache of a pool on device {d} failed: {e}")
+                        format!("{what} on device {d} failed: {e}")
                     });
                 }
             }

@@ -175,7 +175,7 @@ pub fn test_capture(
     if rc == 0 {
         return Ok(());
     }
-    // SAFETY: on failure the shim wrote a NUL-terminated message (strncpy, last byte zeroed).
+    // SAFETY: on failure the shim wrote a NUL-terminated message (copy_out cuts it to fit).
     Err(unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }
         .to_string_lossy()
         .into_owned())

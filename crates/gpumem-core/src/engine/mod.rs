@@ -1015,7 +1015,7 @@ impl Allocator {
     /// [`Allocator::empty_cache`] leaves it.
     pub fn begin_pool(&self, id: PoolId) -> Result<(), AllocError> {
         let mut pools = self.pools.lock();
-        let key = pools.begin(id).map_err(AllocError::Pool)?.key;
+        let key = pools.begin(id).map_err(AllocError::Pool)?;
         match self.pool_shard(key) {
             Ok((_, sh)) => sh.state.lock().kept = true,
             Err(e) => {

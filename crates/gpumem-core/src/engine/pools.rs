@@ -52,16 +52,11 @@ pub(crate) struct Pools {
     made: u64,
 }
 
-/// What [`Pools::begin`] did.
-pub(crate) struct Begun {
-    /// The pool's shard key.
-    pub key: Stream,
-}
-
 impl Pools {
-    /// A capture starts filling pool `id`: made on first use, one more user. Refused for the
-    /// null id and for a pool another capture is filling now (as PyTorch refuses it).
-    pub fn begin(&mut self, id: PoolId) -> Result<Begun, String> {
+    /// A capture starts filling pool `id`: made on first use, one more user. Returns its key.
+    /// Refused for the null id and for a pool another capture is filling now (as PyTorch
+    /// refuses it).
+    pub fn begin(&mut self, id: PoolId) -> Result<Stream, String> {
         let e = self.entry(id)?;
         if e.filling {
             return Err(format!(
@@ -71,7 +66,7 @@ impl Pools {
         }
         e.filling = true;
         e.users += 1;
-        Ok(Begun { key: e.key })
+        Ok(e.key)
     }
 
     /// A user takes pool `id` without filling it (PyTorch's `createOrIncrefPool`, made by a
@@ -197,7 +192,7 @@ mod tests {
     fn pools_count_users_and_reuse_keys_of_retired_pools() {
         let mut p = Pools::default();
         assert!(p.begin((0, 0)).is_err());
-        let a = p.begin((1, 0)).unwrap().key;
+        let a = p.begin((1, 0)).unwrap();
         assert!(is_pool_key(a));
         assert_eq!(p.filling_key((1, 0), 7), Some(a));
         assert_eq!(p.of_key(a), Some(((1, 0), Some(7))));
@@ -209,7 +204,7 @@ mod tests {
         assert_eq!(p.filling_key((1, 0), 7), None);
         assert!(p.end((1, 0)).is_err());
         // A second graph shares the pool: two users.
-        assert_eq!(p.begin((1, 0)).unwrap().key, a);
+        assert_eq!(p.begin((1, 0)).unwrap(), a);
         p.end((1, 0)).unwrap();
         assert_eq!(p.users((1, 0)), 2);
         assert_eq!(p.release((1, 0)).unwrap(), (a, true));
@@ -219,13 +214,13 @@ mod tests {
         assert_eq!(p.unused(), vec![((1, 0), a)]);
         p.retire((1, 0));
         assert_eq!(p.len(), 0);
-        assert_eq!(p.begin((0, 7)).unwrap().key, a, "the retired key is reused");
-        assert_ne!(p.begin((2, 0)).unwrap().key, a);
+        assert_eq!(p.begin((0, 7)).unwrap(), a, "the retired key is reused");
+        assert_ne!(p.begin((2, 0)).unwrap(), a);
         assert!(p.release((9, 9)).is_err());
         // A MemPool: made and held without a capture, then filled.
         let m = p.retain((0, 9)).unwrap();
         assert_eq!(p.filling_key((0, 9), 3), None);
-        assert_eq!(p.begin((0, 9)).unwrap().key, m);
+        assert_eq!(p.begin((0, 9)).unwrap(), m);
         assert_eq!((p.users((0, 9)), p.filling_key((0, 9), 3)), (2, Some(m)));
         assert!(p.retain((0, 0)).is_err());
         assert!(!is_pool_key(0x7f00_1234_5600));
