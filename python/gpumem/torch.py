@@ -106,6 +106,9 @@ _NATIVE_HOOKS = (
     "gpumem_torch_pool_use_count",
     "gpumem_torch_pool_retain",
     "gpumem_torch_empty_pool",
+    "gpumem_torch_pool_checkpoint",
+    "gpumem_torch_pool_checkpoint_free",
+    "gpumem_torch_pool_restore",
 )
 # CUDA graph capture's C++ hooks (gpumem_torch_pool_hook_address's numbering), with the
 # CUDAPluggableAllocator setter of each; the native allocator takes them after _NATIVE_HOOKS.

@@ -223,6 +223,61 @@ print(json.dumps({"overlap": overlap, "results": results, "intact": intact,
     assert all(v == 0 for v in r["errors"].values()), r["errors"]
 
 
+def test_torch_compile_reduce_overhead_trains_like_eager_on_the_native_path(install_path):
+    # torch.compile(mode="reduce-overhead") records CUDA graphs into one pool (CUDA graph
+    # trees). Two compiled modules train in sequence; after their graphs replay, the second
+    # one's input changes shape, so a new graph is warmed up and recorded while the first one's
+    # replayed outputs are live: the trees checkpoint the pool after each recording and set it
+    # back first (c10's getCheckpointState / setCheckpointPoolState). Losses and gradients must
+    # match eager PyTorch's, step by step. PyTorch's pluggable wrapper has no checkpoints.
+    r = run_python(
+        PRELUDE
+        + """
+import copy
+torch.manual_seed(0)
+f = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).cuda()
+g = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 8)).cuda()
+ef, eg = copy.deepcopy(f), copy.deepcopy(g)
+cf = torch.compile(f, mode="reduce-overhead", dynamic=False)
+cg = torch.compile(g, mode="reduce-overhead", dynamic=False)
+def step(mf, mg, x, n):
+    loss = mg(mf(x)[:n]).float().square().mean()
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in list(mf.parameters()) + list(mg.parameters())]
+    for p in list(mf.parameters()) + list(mg.parameters()):
+        p.grad = None
+    return loss.detach().clone(), grads
+rows = []
+try:
+    for i, n in enumerate([64, 64, 64, 64, 32, 32, 32, 64, 32]):
+        x = torch.randn(64, 256, device="cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        lc, gc_ = step(cf, cg, x, n)
+        le, ge = step(ef, eg, x, n)
+        rows.append([i, n, torch.allclose(lc, le, rtol=1e-3, atol=1e-5),
+                     all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(gc_, ge))])
+    torch.cuda.synchronize()
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_container(0).tree_manager
+    out = {"error": None, "rows": rows, "checkpoints": manager.debug_checkpointing_counter,
+           "pool_blocks": sum(1 for s in gpumem.torch.snapshot()["segments"]
+                              if tuple(s["segment_pool_id"]) != (0, 0))}
+except Exception as e:
+    out = {"error": f"{type(e).__name__}: {str(e)[:400]}", "rows": rows}
+out["errors"] = gpumem.torch.error_counts()
+print(json.dumps(out))
+"""
+    )
+    if install_path == "pluggable":
+        assert r["error"] is not None and "getCheckpointState" in r["error"], r
+        pytest.skip(f"PyTorch's pluggable allocator has no pool checkpoints: {r['error'][:160]}")
+    assert r["error"] is None, r
+    assert [row[2:] for row in r["rows"]] == [[True, True]] * 9, r["rows"]
+    assert r["checkpoints"] >= 1, "the run never set a pool back to a checkpoint"
+    assert r["pool_blocks"] >= 1, "the graphs' memory was not in a private pool"
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
+
+
 def test_mem_pool_keeps_its_memory_on_the_native_path(install_path):
     # torch.cuda.MemPool: on the native path a private pool of gpumem's (use_mem_pool fills it,
     # nothing else takes its memory, it goes back when the MemPool is destroyed); PyTorch's

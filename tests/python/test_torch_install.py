@@ -39,6 +39,86 @@ pool = {"inside": [inside[0], inside[1] == eager], "users": [users, _native.torc
 """
 
 
+# torch.compile's CUDA graph trees (mode="reduce-overhead") on the native path, through test
+# entries of the native build that call c10 as the trees do: a pool is checkpointed after a
+# recording and set back to it before the next one; its tensors carry raw_deleter().
+CHECKPOINT_SCRIPT = """
+tc = nat.gpumem_native_test_checkpoint
+tc.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int,
+               ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+               ctypes.c_char_p, ctypes.c_int]
+td = nat.gpumem_native_test_deleter
+td.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+raw_delete = torch._C._cuda_cudaCachingAllocator_raw_delete
+def alloc_kept(n):
+    p = ctypes.c_void_p()
+    standard = td(n, 0, ctypes.byref(p))
+    return p.value, standard
+def pool_blocks(pool_id):
+    return sorted(b["address"] for s in gpumem.torch.snapshot(0)["segments"]
+                  if tuple(s["segment_pool_id"]) == pool_id
+                  for b in s["blocks"] if b["state"] == "active_allocated")
+cerr = ctypes.create_string_buffer(300)
+state = ctypes.c_void_p()
+vals = (ctypes.c_uint64 * 64)()
+tree = {}
+live_before = gpumem.torch.memory_allocated(0)
+eager, tree["eager_standard"] = alloc_kept(1 << 20)
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, (0, 55))
+cx, scx = alloc_kept(3 << 20)
+cy, scy = alloc_kept(1 << 20)
+ct, sct = alloc_kept(2 << 20)
+tree["pool_standard"] = [scx, scy, sct]
+raw_delete(ct)
+torch._C._cuda_endAllocateToPool(0, (0, 55))
+tree["checkpoint"] = tc(0, 0, 55, 0, ctypes.byref(state), vals, 64, cerr, 300)
+# Replays happen; cy dies; a second recording into the pool adds cw.
+raw_delete(cy)
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, (0, 55))
+cw, _ = alloc_kept(2 << 20)
+tree["while_filling"] = [tc(0, 0, 55, 1, ctypes.byref(state), vals, 64, cerr, 300), cerr.value.decode()]
+torch._C._cuda_endAllocateToPool(0, (0, 55))
+cerr.value = b""
+tree["restore"] = [tc(0, 0, 55, 1, ctypes.byref(state), vals, 64, cerr, 300), cerr.value.decode()]
+n_freed = vals[0]
+freed = sorted(vals[1:1 + n_freed])
+n_back = vals[1 + n_freed]
+back = sorted([vals[2 + n_freed + 2 * i], vals[3 + n_freed + 2 * i]] for i in range(n_back))
+tree["freed_ok"] = freed == sorted([cx, cw])
+tree["back_ok"] = back == sorted([[cx, 1], [cy, 1]])
+tree["pool_after"] = pool_blocks((0, 55)) == sorted([cx, cy])
+tc(0, 0, 55, 2, ctypes.byref(state), vals, 64, cerr, 300)
+for p in (cx, cy, eager):
+    raw_delete(p)
+# Through torch._C's own bindings, as the trees call them. Nothing is live at the restore, so
+# no storage takes the block allocated again: the binding lets go of it, and the trees free it
+# (it died since the checkpoint).
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, (0, 55))
+cz, _ = alloc_kept(5 << 20)
+torch._C._cuda_endAllocateToPool(0, (0, 55))
+py_state = torch._C._cuda_getCheckpointState(0, (0, 55))
+raw_delete(cz)
+torch._C._cuda_setCheckpointPoolState(0, py_state, [], [])
+tree["binding"] = [type(py_state).__name__, pool_blocks((0, 55)) == [cz]]
+raw_delete(cz)
+tree["live_after"] = gpumem.torch.memory_allocated(0) - live_before
+torch._C._cuda_releasePool(0, (0, 55))
+"""
+
+
+def check_graph_tree(tree):
+    # Only a pool's blocks carry raw_deleter() (the trees take their memory back through it);
+    # eager tensors keep the per-device deleter.
+    assert tree["eager_standard"] == 0 and tree["pool_standard"] == [1, 1, 1], tree
+    assert tree["checkpoint"] == 0, tree
+    rc, msg = tree["while_filling"]
+    assert rc == 1 and "a capture is filling it" in msg, msg
+    assert tree["restore"] == [0, ""], tree["restore"]
+    assert tree["freed_ok"] and tree["back_ok"] and tree["pool_after"], tree
+    assert tree["binding"] == ["_cuda_CUDAAllocator_AllocatorState", True], tree["binding"]
+    assert tree["live_after"] == 0, tree
+
+
 def check_graph_pool(pool):
     assert pool["inside"] == ["returned", False], "the capture took the stream's cached block"
     assert pool["users"] == [1, 0]
@@ -157,6 +237,7 @@ keep = _native.torch_alloc(100 << 20, 0, 0)
 cache_rc = nat.gpumem_native_cache_info(0, ctypes.byref(largest))
 """
         + GRAPH_POOL_SCRIPT
+        + CHECKPOINT_SCRIPT
         + """
 # torch.cuda.MemPool: what its constructor and destructor call through c10 (a test entry: making
 # one asks CUDA for the current device), and torch.cuda.use_mem_pool's calls in between.
@@ -186,6 +267,7 @@ short_err = ctypes.create_string_buffer(300)
 short_rc = nat.gpumem_native_install(few, 3, short_err, len(short_err))
 print(json.dumps({
     "pool": pool,
+    "tree": tree,
     "mem_pool": mem_pool,
     "short_table": [short_rc, short_err.value.decode(),
                     len(gpumem.torch._native_hook_addresses(gpumem.torch._installed["library"]))],
@@ -222,6 +304,7 @@ print(json.dumps({
     assert r["cache_info"] == [0, (1 << 30) - (100 << 20)]
     # CUDA graph capture: private pools through the same hooks as on the pluggable path.
     check_graph_pool(r["pool"])
+    check_graph_tree(r["tree"])
     # torch.cuda.MemPool (native path only: PyTorch's pluggable wrapper has no
     # createOrIncrefPool): the pool is made with one user, use_mem_pool fills it, its
     # destructor lets go and empties it; use_on_oom is refused with a reason.

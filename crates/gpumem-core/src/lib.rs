@@ -27,7 +27,7 @@ pub mod testing;
 pub mod units;
 
 pub use config::Config;
-pub use engine::{Allocation, Allocator};
+pub use engine::{Allocation, Allocator, CheckpointBlock, PoolCheckpoint, PoolRestore};
 pub use error::{AllocError, BackendError, OomReport, TraceError};
 pub use policy::PolicyKind;
 pub use stats::MemoryStats;

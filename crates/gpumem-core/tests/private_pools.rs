@@ -371,3 +371,151 @@ fn a_pools_own_empty_cache_gives_back_that_pool_alone() {
     assert_eq!(a.pool_count(), 0);
     assert_eq!(a.empty_cache().unwrap(), 20 * MIB);
 }
+
+/// (address, bytes) of segments or blocks.
+type Ranges = Vec<(u64, u64)>;
+
+/// The pool's segments and its allocated blocks, from the snapshot: what a checkpoint restore
+/// must reproduce.
+fn pool_layout(a: &Allocator) -> (Ranges, Ranges) {
+    let segs: Vec<_> = a
+        .snapshot()
+        .into_iter()
+        .filter(|s| a.private_pool_of(s.stream).is_some())
+        .collect();
+    let blocks = segs
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.kind == gpumem_core::policy::BlockKind::Allocated)
+        .map(|b| (b.addr, b.size))
+        .collect();
+    (segs.iter().map(|s| (s.addr, s.size)).collect(), blocks)
+}
+
+fn overlaps(x: &gpumem_core::Allocation, y: &gpumem_core::Allocation) -> bool {
+    x.ptr < y.ptr + y.size && y.ptr < x.ptr + x.size
+}
+
+/// What torch.compile's CUDA graph trees do: record a graph, checkpoint the pool, replay (the
+/// outputs live in the pool unbeknown to the allocator), record more, then set the pool back to
+/// the checkpoint before recording a new branch.
+#[test]
+fn a_checkpoint_puts_the_pools_blocks_back_where_they_were() {
+    for p in every_policy() {
+        let (a, _) = audited_sim(&format!("policy:{p}"), 8 * GIB);
+        a.begin_pool(GRAPH).unwrap();
+        let x = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+        let tmp = a.allocate_in_pool(MIB / 2, CAPTURE, GRAPH).unwrap();
+        let y = a.allocate_in_pool(MIB + 4096, CAPTURE, GRAPH).unwrap();
+        let z = a.allocate_in_pool(5 * MIB, CAPTURE, GRAPH).unwrap();
+        let small = a.allocate_in_pool(3000, CAPTURE, GRAPH).unwrap();
+        a.free_on(tmp.ptr, CAPTURE).unwrap();
+        a.end_pool(GRAPH).unwrap();
+        let at_checkpoint = pool_layout(&a);
+        let cp = a.checkpoint_pool(GRAPH).unwrap();
+        let mut want: Vec<_> = [x, y, z, small].iter().map(|b| (b.ptr, b.size)).collect();
+        want.sort_unstable();
+        let mut got: Vec<_> = cp.blocks.iter().map(|b| (b.addr, b.size)).collect();
+        got.sort_unstable();
+        assert_eq!(got, want, "{p}: the checkpoint lists the live blocks");
+        assert_eq!(cp.segments, at_checkpoint.0);
+
+        // Later: y died, and a second graph of the chain recorded w and a temporary.
+        a.free_on(y.ptr, CAPTURE).unwrap();
+        a.begin_pool(GRAPH).unwrap();
+        let w = a.allocate_in_pool(2 * MIB, CAPTURE, GRAPH).unwrap();
+        let t2 = a.allocate_in_pool(MIB / 2, CAPTURE, GRAPH).unwrap();
+        a.free_on(t2.ptr, CAPTURE).unwrap();
+        a.end_pool(GRAPH).unwrap();
+        let allocs = a.driver_calls().count(DriverCall::MemAlloc);
+
+        let r = a.restore_pool(&cp).unwrap();
+        let mut freed = r.freed.clone();
+        freed.sort_unstable();
+        let mut live_before: Vec<_> = [x.ptr, z.ptr, small.ptr, w.ptr].to_vec();
+        live_before.sort_unstable();
+        assert_eq!(freed, live_before, "{p}: every block live before is freed");
+        let mut back: Vec<_> = r.allocated.iter().map(|b| (b.ptr, b.size)).collect();
+        back.sort_unstable();
+        assert_eq!(back, want, "{p}: the checkpoint's blocks are back");
+        assert_eq!(pool_layout(&a), at_checkpoint, "{p}: the pool's layout");
+        assert_eq!(
+            a.driver_calls().count(DriverCall::MemAlloc),
+            allocs,
+            "{p}: a restore asks the device for nothing"
+        );
+        let stats = a.memory_stats();
+        assert_eq!(
+            stats.allocated_bytes.all.current as u64,
+            x.size + y.size + z.size + small.size,
+            "{p}: the statistics count the checkpoint's blocks"
+        );
+        a.check().unwrap();
+
+        // A new branch records into the pool: it must not get the restored blocks.
+        a.begin_pool(GRAPH).unwrap();
+        let v = a.allocate_in_pool(MIB + 4096, CAPTURE, GRAPH).unwrap();
+        a.end_pool(GRAPH).unwrap();
+        assert!(
+            r.allocated.iter().all(|b| !overlaps(b, &v)),
+            "{p}: the new branch's block {v:?} overlaps a restored one"
+        );
+        // The restored blocks are ordinary allocations: freed by handle or by pointer.
+        a.free_allocation(&r.allocated[0]).unwrap();
+        for b in &r.allocated[1..] {
+            a.free(b.ptr).unwrap();
+        }
+        a.free(v.ptr).unwrap();
+        assert!(a.free(w.ptr).is_err(), "{p}: w was freed by the restore");
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, 0, "{p}");
+        a.check().unwrap();
+        // Released by its users, the pool gives its memory back as before.
+        for _ in 0..3 {
+            a.release_pool(GRAPH).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.held_bytes(), 0, "{p}");
+    }
+}
+
+#[test]
+fn a_restore_that_cannot_be_done_is_refused_and_changes_nothing() {
+    let (a, _) = audited_sim("policy:stitched", 8 * GIB);
+    assert!(matches!(a.checkpoint_pool(GRAPH), Err(AllocError::Pool(_))));
+    a.begin_pool(GRAPH).unwrap();
+    let x = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+    a.end_pool(GRAPH).unwrap();
+    let cp = a.checkpoint_pool(GRAPH).unwrap();
+    let y = a.allocate(MIB, SIDE).unwrap();
+    let before = pool_layout(&a);
+
+    // While a capture fills the pool.
+    a.begin_pool(GRAPH).unwrap();
+    let e = a.restore_pool(&cp).unwrap_err().to_string();
+    assert!(e.contains("a capture is filling it"), "{e}");
+    a.end_pool(GRAPH).unwrap();
+    assert_eq!(pool_layout(&a), before);
+
+    // A live block of the pool used on another stream.
+    a.record_stream(x.ptr, SIDE).unwrap();
+    let e = a.restore_pool(&cp).unwrap_err().to_string();
+    assert!(e.contains("record_stream"), "{e}");
+    assert_eq!(pool_layout(&a), before);
+
+    // A checkpoint naming a segment the pool does not have.
+    let mut bogus = cp.clone();
+    bogus.segments.push((y.ptr, 2 * MIB));
+    let e = a.restore_pool(&bogus).unwrap_err().to_string();
+    assert!(e.contains("is gone"), "{e}");
+    let mut other = cp.clone();
+    other.id = (9, 9);
+    assert!(a.restore_pool(&other).is_err());
+    assert_eq!(pool_layout(&a), before);
+
+    // Everything still frees as it should.
+    a.free(x.ptr).unwrap();
+    a.free(y.ptr).unwrap();
+    a.synchronize_events().unwrap();
+    a.check().unwrap();
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+}

@@ -10,7 +10,7 @@ use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
 use gpumem_core::backend::{Backend, DevPtr, Stream};
 use gpumem_core::engine::PoolId;
 use gpumem_core::units::H200_TOTAL_BYTES;
-use gpumem_core::{AllocError, Allocator, Config, MemoryStats};
+use gpumem_core::{AllocError, Allocator, Config, MemoryStats, PoolCheckpoint, PoolRestore};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, OnceLock};
@@ -607,6 +607,32 @@ impl Registry {
             PoolOp::Release => a.release_pool(id),
         }
         .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    }
+
+    /// The blocks of private pool `id` on `device` now (c10's `getCheckpointState`, which
+    /// torch.compile's CUDA graph trees call after each graph they record).
+    pub fn pool_checkpoint(&self, device: usize, id: PoolId) -> Result<PoolCheckpoint, TorchError> {
+        let slot = self.get(device).ok_or_else(|| {
+            TorchError::Other(format!("gpumem: no private pool on device {device}"))
+        })?;
+        slot.alloc
+            .checkpoint_pool(id)
+            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+    }
+
+    /// Sets the private pool of checkpoint `cp` on `device` back to it (c10's
+    /// `setCheckpointPoolState`): see [`Allocator::restore_pool`].
+    pub fn pool_restore(
+        &self,
+        device: usize,
+        cp: &PoolCheckpoint,
+    ) -> Result<PoolRestore, TorchError> {
+        let slot = self.get(device).ok_or_else(|| {
+            TorchError::Other(format!("gpumem: no private pool on device {device}"))
+        })?;
+        slot.alloc
+            .restore_pool(cp)
+            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
     }
 
     /// Users of pool `id` on `device` (c10's `getPoolUseCount`); 0 where gpumem never

@@ -20,6 +20,8 @@
 //! | [`gpumem_torch_pool_use_count`] | the native allocator's `getPoolUseCount` | `int (int device, uint64_t first, uint64_t second)` |
 //! | [`gpumem_torch_empty_pool`] | the native allocator's `emptyCache(mempool_id)` of one pool | `void (uint64_t first, uint64_t second)` |
 //! | [`gpumem_torch_pool_retain`] | the native allocator's `createOrIncrefPool` (`torch.cuda.MemPool`) | as [`gpumem_torch_pool_begin`] |
+//! | [`gpumem_torch_pool_checkpoint`], [`gpumem_torch_pool_checkpoint_free`] | the native allocator's `getCheckpointState` (torch.compile's CUDA graph trees): an owned handle | `void* (int device, uint64_t first, uint64_t second, char* err, size_t err_len)`, `void (void*)` |
+//! | [`gpumem_torch_pool_restore`] | its `setCheckpointPoolState`: the blocks freed and allocated again, told one by one | `int (int device, const void* checkpoint, void* ctx, void (*freed)(void*, uint64_t), void (*allocated)(void*, uint64_t), char* err, size_t err_len)` |
 //!
 //! CUDA graphs (`torch.cuda.graph`, `make_graphed_callables`) get private pools: while a
 //! capture is underway, an allocation asks the shim which pool, if any, the stream's request
@@ -554,6 +556,119 @@ pub extern "C" fn gpumem_torch_pool_use_count(device: c_int, first: u64, second:
     };
     catch_unwind(|| global().pool_use_count(d, (first, second)))
         .map_or(0, |n| n.min(c_int::MAX as u32) as c_int)
+}
+
+/// A checkpoint handed to C++: the device it was taken on and the pool's blocks then.
+struct TorchCheckpoint {
+    device: usize,
+    checkpoint: gpumem_core::PoolCheckpoint,
+}
+
+/// c10's `getCheckpointState`: the blocks of private pool (`first`, `second`) on `device` now,
+/// as an owned handle for [`gpumem_torch_pool_restore`], to be freed with
+/// [`gpumem_torch_pool_checkpoint_free`]. Null on failure, with the reason in `err`.
+#[no_mangle]
+pub extern "C" fn gpumem_torch_pool_checkpoint(
+    device: c_int,
+    first: u64,
+    second: u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> *mut c_void {
+    let r = device_index(device).and_then(|d| {
+        catch_unwind(|| {
+            global()
+                .pool_checkpoint(d, (first, second))
+                .map(|checkpoint| TorchCheckpoint {
+                    device: d,
+                    checkpoint,
+                })
+        })
+        .unwrap_or_else(|_| Err(internal_error("a checkpoint")))
+    });
+    match r {
+        Ok(cp) => Box::into_raw(Box::new(cp)).cast(),
+        Err(e) => {
+            write_c_string(e.message(), err, err_len);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Frees a handle of [`gpumem_torch_pool_checkpoint`] (null: nothing).
+///
+/// # Safety
+/// `checkpoint` is null or a handle of [`gpumem_torch_pool_checkpoint`] not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_torch_pool_checkpoint_free(checkpoint: *mut c_void) {
+    if !checkpoint.is_null() {
+        // SAFETY: the caller passes a handle made by `Box::into_raw` in
+        // gpumem_torch_pool_checkpoint, once.
+        drop(unsafe { Box::from_raw(checkpoint.cast::<TorchCheckpoint>()) });
+    }
+}
+
+/// Told of one block of a restore: the caller's context and the block's address. Must not
+/// unwind.
+pub type RestoreBlockFn = unsafe extern "C" fn(ctx: *mut c_void, ptr: u64);
+
+/// c10's `setCheckpointPoolState`: sets the private pool of `checkpoint` on `device` back to
+/// it, then calls `freed` for each block that was allocated and is now free, and `allocated`
+/// for each block of the checkpoint allocated again (to be freed as usual). Returns 0, or 1
+/// with the reason in `err` and no call made.
+///
+/// # Safety
+/// `checkpoint` is a live handle of [`gpumem_torch_pool_checkpoint`]; the two functions may be
+/// called with `ctx`.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_torch_pool_restore(
+    device: c_int,
+    checkpoint: *const c_void,
+    ctx: *mut c_void,
+    freed: RestoreBlockFn,
+    allocated: RestoreBlockFn,
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    // SAFETY: the caller passes a live handle of gpumem_torch_pool_checkpoint (or null).
+    let cp = unsafe { checkpoint.cast::<TorchCheckpoint>().as_ref() };
+    let r = match (device_index(device), cp) {
+        (Err(e), _) => Err(e),
+        (_, None) => Err(TorchError::Other(
+            "gpumem: setCheckpointPoolState was given no checkpoint".into(),
+        )),
+        (Ok(d), Some(cp)) if d != cp.device => Err(TorchError::Other(format!(
+            "gpumem: a checkpoint of device {} cannot be restored on device {d}",
+            cp.device
+        ))),
+        (Ok(d), Some(cp)) => catch_unwind(AssertUnwindSafe(|| {
+            global().pool_restore(d, &cp.checkpoint)
+        }))
+        .unwrap_or_else(|_| Err(internal_error("a checkpoint's restore"))),
+    };
+    match r {
+        Ok(done) => {
+            for &p in &done.freed {
+                // SAFETY: the caller's function, with the caller's context, as documented.
+                unsafe { freed(ctx, p) };
+            }
+            for a in &done.allocated {
+                // SAFETY: as above.
+                unsafe { allocated(ctx, a.ptr) };
+            }
+            0
+        }
+        Err(e) => {
+            write_c_string(e.message(), err, err_len);
+            1
+        }
+    }
+}
+
+fn internal_error(what: &str) -> TorchError {
+    TorchError::Other(format!(
+        "gpumem: internal error (a panic) in {what}; please report it"
+    ))
 }
 
 fn pool_call(device: c_int, op: PoolOp, id: (u64, u64), err: *mut c_char, err_len: usize) -> c_int {

@@ -24,7 +24,8 @@
 // CUDA graph capture gets private pools, through the same three C++ hooks as on the pluggable
 // path (crates/gpumem-py/shim/torch_shim.cpp); getPoolUseCount answers from gpumem, and
 // createOrIncrefPool makes torch.cuda.MemPool work (without an allocator of its own, use_on_oom
-// or no_split, which are refused). Snapshots and history are gpumem's own Python functions
+// or no_split, which are refused), and getCheckpointState / setCheckpointPoolState make
+// torch.compile's CUDA graph trees (mode="reduce-overhead") work. Snapshots and history are gpumem's own Python functions
 // (install() points torch.cuda's at them); the rest raises a clear error. PyTorch's memory
 // profiler (torch.profiler with profile_memory=True) is told of each allocation and free by
 // gpumem's hooks themselves, as on the pluggable path (crates/gpumem-py/src/torch_abi.rs).
@@ -68,6 +69,15 @@ using PoolUseCountFn = int (*)(int device, uint64_t first, uint64_t second);
 using PoolRetainFn = int (*)(int device, uint64_t first, uint64_t second, char* err,
                              size_t err_len);
 using EmptyPoolFn = void (*)(uint64_t first, uint64_t second);
+// torch.compile's CUDA graph trees: a pool's checkpoint (an owned handle, null on error) and
+// its restore, which reports each block freed and allocated again through RestoreBlockFn.
+using PoolCheckpointFn = void* (*)(int device, uint64_t first, uint64_t second, char* err,
+                                   size_t err_len);
+using PoolCheckpointFreeFn = void (*)(void* checkpoint);
+using RestoreBlockFn = void (*)(void* ctx, uint64_t ptr);
+using PoolRestoreFn = int (*)(int device, const void* checkpoint, void* ctx,
+                              RestoreBlockFn freed, RestoreBlockFn allocated, char* err,
+                              size_t err_len);
 // The shim's CUDA graph hooks (crates/gpumem-py/shim/torch_shim.cpp); begin and end may throw.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
@@ -94,6 +104,9 @@ struct Hooks {
   PoolUseCountFn pool_use_count = nullptr;
   PoolRetainFn pool_retain = nullptr;
   EmptyPoolFn empty_pool = nullptr;
+  PoolCheckpointFn pool_checkpoint = nullptr;
+  PoolCheckpointFreeFn pool_checkpoint_free = nullptr;
+  PoolRestoreFn pool_restore = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
   PoolFn end_allocate_to_pool = nullptr;
   PoolFn release_pool = nullptr;
@@ -205,6 +218,38 @@ c10::DeviceIndex current_device() {
   return device;
 }
 
+// getCheckpointState's answer: gpumem's checkpoint of a pool, freed with the state.
+struct GpumemPoolState final : cca::AllocatorState {
+  explicit GpumemPoolState(void* checkpoint) : checkpoint(checkpoint) {}
+  ~GpumemPoolState() override { hooks.pool_checkpoint_free(checkpoint); }
+  GpumemPoolState(const GpumemPoolState&) = delete;
+  GpumemPoolState& operator=(const GpumemPoolState&) = delete;
+  void* const checkpoint;
+};
+
+// The blocks a restore reports, gathered without letting an exception reach gpumem.
+struct RestoredBlocks {
+  std::vector<void*> freed;
+  std::vector<void*> allocated;
+  bool out_of_memory = false;
+
+  static void add(std::vector<void*>& to, RestoredBlocks* self, uint64_t ptr) noexcept {
+    try {
+      to.push_back(reinterpret_cast<void*>(ptr));
+    } catch (...) {
+      self->out_of_memory = true;
+    }
+  }
+  static void on_freed(void* ctx, uint64_t ptr) noexcept {
+    auto* self = static_cast<RestoredBlocks*>(ctx);
+    add(self->freed, self, ptr);
+  }
+  static void on_allocated(void* ctx, uint64_t ptr) noexcept {
+    auto* self = static_cast<RestoredBlocks*>(ctx);
+    add(self->allocated, self, ptr);
+  }
+};
+
 class GpumemAllocator final : public cca::CUDAAllocator {
  public:
   // --- the hot path -------------------------------------------------------------------------
@@ -221,8 +266,13 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   // directly, where no GPU can be asked which device is current).
   c10::DataPtr allocate_with_stream(size_t n, c10::DeviceIndex device, cudaStream_t stream) {
     void* ptr = allocate_on(n, device, stream);  // throws on failure; null for 0 bytes
-    return {ptr, ptr, kDeleters[static_cast<size_t>(device)],
-            c10::Device(c10::DeviceType::CUDA, device)};
+    // While a pool is being filled, raw_deleter(): CUDA graph trees check that a pool's
+    // tensors carry it before taking their memory back (_free_And_Remove_DeleterFn). Otherwise
+    // the device's own deleter, which spares the free a search over devices.
+    const c10::DeleterFnPtr deleter = pools_filling_.load(std::memory_order_relaxed) != 0
+                                          ? &free_anywhere
+                                          : kDeleters[static_cast<size_t>(device)];
+    return {ptr, ptr, deleter, c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &free_anywhere; }
@@ -282,9 +332,11 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   void beginAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool,
                            std::function<bool(cudaStream_t)> filter) override {
     hooks.begin_allocate_to_pool(device, pool, std::move(filter));
+    pools_filling_.fetch_add(1, std::memory_order_relaxed);
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t pool) override {
     hooks.end_allocate_to_pool(device, pool);
+    pools_filling_.fetch_sub(1, std::memory_order_relaxed);
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t pool) override {
     hooks.release_pool(device, pool);
@@ -312,6 +364,43 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   }
   void setNoSplit(c10::DeviceIndex, c10::MempoolId_t) override {
     TORCH_CHECK(false, "gpumem: torch.cuda.MemPool(no_split=True) is not supported");
+  }
+  // torch.compile(mode="reduce-overhead")'s CUDA graph trees: after recording a graph they
+  // checkpoint its pool; before recording another after replays (whose outputs live in the
+  // pool unbeknown to the allocator), they set the pool back to that checkpoint and give the
+  // live tensors the blocks allocated again (with raw_deleter(), as PyTorch's own).
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          c10::MempoolId_t pool) override {
+    char err[1024] = {0};
+    void* checkpoint = hooks.pool_checkpoint(device, pool.first, pool.second, err, sizeof err);
+    TORCH_CHECK(checkpoint != nullptr, err);
+    try {
+      return std::make_shared<GpumemPoolState>(checkpoint);
+    } catch (...) {
+      hooks.pool_checkpoint_free(checkpoint);
+      throw;
+    }
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState> as) override {
+    auto* state = dynamic_cast<GpumemPoolState*>(as.get());
+    TORCH_CHECK(state != nullptr,
+                "gpumem: setCheckpointPoolState was given a state that gpumem's "
+                "getCheckpointState did not make");
+    RestoredBlocks blocks;
+    char err[1024] = {0};
+    TORCH_CHECK(hooks.pool_restore(device, state->checkpoint, &blocks, &RestoredBlocks::on_freed,
+                                   &RestoredBlocks::on_allocated, err, sizeof err) == 0,
+                err);
+    cca::CheckpointDelta delta;
+    // The blocks allocated again are owned by their DataPtrs from here on, so that none is
+    // lost if what follows throws.
+    const c10::Device dev(c10::DeviceType::CUDA, device);
+    for (void* p : blocks.allocated) delta.dataptrs_allocd.emplace_back(p, p, &free_anywhere, dev);
+    TORCH_CHECK(!blocks.out_of_memory,
+                "gpumem: out of host memory while restoring a CUDA graph pool's checkpoint");
+    delta.ptrs_freed = std::move(blocks.freed);
+    return delta;
   }
   std::string name() override { return "gpumem"; }
 
@@ -373,18 +462,12 @@ class GpumemAllocator final : public cca::CUDAAllocator {
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
     unsupported("attachAllocatorTraceTracker");
   }
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex,
-                                                          c10::MempoolId_t) override {
-    unsupported("getCheckpointState");
-  }
-  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
-                                              std::shared_ptr<cca::AllocatorState>) override {
-    unsupported("setCheckpointPoolState");
-  }
 
  private:
   std::atomic<bool> initialized_{false};
   std::atomic<bool> enabled_{true};
+  // Captures (or pool contexts) filling a private pool now: see allocate_with_stream.
+  std::atomic<int> pools_filling_{0};
 };
 
 void report(char* err, int err_len, const std::string& msg) {
@@ -404,7 +487,9 @@ extern "C" int gpumem_native_install(const uintptr_t* addresses, int count, char
                                 &h.empty_cache, &h.set_fraction, &h.cache_info, &h.device_stats,
                                 &h.reset_peak_stats, &h.reset_accumulated_stats,
                                 &h.limit_and_free, &h.memory_fraction, &h.pool_use_count,
-                                &h.pool_retain, &h.empty_pool, &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
+                                &h.pool_retain, &h.empty_pool, &h.pool_checkpoint,
+                                &h.pool_checkpoint_free, &h.pool_restore,
+                                &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
                                 &h.release_pool);
   constexpr int kHooks = static_cast<int>(std::tuple_size<decltype(fields)>::value);
   if (addresses == nullptr || count != kHooks) {
@@ -506,5 +591,63 @@ extern "C" int gpumem_native_test_attach_oom_observer(void (*observer)(int64_t, 
     return 0;
   } catch (...) {
     return 1;
+  }
+}
+
+// For the tests, where torch.compile's CUDA graph trees cannot run: what they call through
+// c10. Step 0: getCheckpointState of pool (first, second), kept in *state. Step 1:
+// setCheckpointPoolState with *state; writes to `out` the number of blocks freed, their
+// pointers, the number allocated again, then for each its pointer and 1 if its DataPtr carries
+// raw_deleter(). Those DataPtrs let go of their blocks, which the test frees with raw_delete.
+// Step 2: drops *state. Returns 0, or 1 with a message in `err` (also when `out` is too short).
+extern "C" int gpumem_native_test_checkpoint(int device, uint64_t first, uint64_t second,
+                                             int step, void** state, uint64_t* out,
+                                             size_t out_len, char* err, int err_len) {
+  using State = std::shared_ptr<cca::AllocatorState>;
+  try {
+    const auto dev = static_cast<c10::DeviceIndex>(device);
+    if (step == 0) {
+      *state = new State(cca::getCheckpointState(dev, c10::MempoolId_t{first, second}));
+    } else if (step == 1) {
+      cca::CheckpointDelta delta = cca::setCheckpointPoolState(dev, *static_cast<State*>(*state));
+      const size_t need = 2 + delta.ptrs_freed.size() + 2 * delta.dataptrs_allocd.size();
+      TORCH_CHECK(need <= out_len, "room for ", out_len, " values, ", need, " needed");
+      size_t i = 0;
+      out[i++] = delta.ptrs_freed.size();
+      for (void* p : delta.ptrs_freed) out[i++] = reinterpret_cast<uint64_t>(p);
+      out[i++] = delta.dataptrs_allocd.size();
+      const auto standard = cca::get()->raw_deleter();
+      for (auto& p : delta.dataptrs_allocd) {
+        out[i++] = reinterpret_cast<uint64_t>(p.get());
+        out[i++] = p.get_deleter() == standard ? 1 : 0;
+        (void)p.release_context();
+      }
+    } else {
+      delete static_cast<State*>(*state);
+      *state = nullptr;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    report(err, err_len, e.what());
+  }
+  return 1;
+}
+
+// For the tests: allocate() of `n` bytes on `device` and the null stream, kept (freed later
+// through raw_delete); writes the pointer to `out`. Returns 1 if its DataPtr carries
+// raw_deleter() (while a private pool is being filled), 0 if the device's own deleter, -1 if
+// it threw.
+extern "C" int gpumem_native_test_deleter(size_t n, int device, void** out) {
+  try {
+    auto* allocator = dynamic_cast<GpumemAllocator*>(cca::get());
+    TORCH_CHECK(allocator != nullptr, "gpumem's native allocator is not PyTorch's");
+    c10::DataPtr p =
+        allocator->allocate_with_stream(n, static_cast<c10::DeviceIndex>(device), nullptr);
+    *out = p.get();
+    const bool standard = p.get_deleter() == allocator->raw_deleter();
+    (void)p.release_context();
+    return standard ? 1 : 0;
+  } catch (...) {
+    return -1;
   }
 }

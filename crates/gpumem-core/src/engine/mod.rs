@@ -3,6 +3,7 @@
 //! split of state into one shard per stream so that threads on different streams never share
 //! a lock on the hot path.
 
+mod checkpoint;
 pub mod pools;
 pub mod streams;
 pub mod track;
@@ -13,6 +14,7 @@ use crate::device::{Device, SegmentAction};
 use crate::error::{AllocError, BackendError, OomReport};
 use crate::policy::{Placement, PolicyFactory, PolicyKind, SegmentInfo};
 use crate::stats::MemoryStats;
+pub use checkpoint::{CheckpointBlock, PoolCheckpoint, PoolRestore};
 use parking_lot::Mutex;
 pub use pools::PoolId;
 use pools::{is_pool_key, Pools};

@@ -164,6 +164,11 @@ impl Pools {
         }
     }
 
+    /// Whether a capture is filling pool `id` now.
+    pub fn is_filling(&self, id: PoolId) -> bool {
+        self.by_id.get(&id).is_some_and(|e| e.filling)
+    }
+
     /// The key of pool `id`, if it exists.
     pub fn key_of(&self, id: PoolId) -> Option<Stream> {
         self.by_id.get(&id).map(|e| e.key)

@@ -444,6 +444,48 @@ impl BlockSet {
         id
     }
 
+    /// Hands out `size` bytes at exactly `addr`, from the free block that covers
+    /// `[addr, addr + size)`: split before `addr` and after the range as needed. For putting a
+    /// private pool's blocks back where a checkpoint saw them (PyTorch's
+    /// `setCheckpointPoolState`), not for the hot path: it walks the segment's blocks. Refused,
+    /// with nothing changed, when no free block covers the range (quick-cached blocks do not
+    /// count: flush the cache first).
+    pub fn carve(&mut self, addr: u64, size: u64, requested: u64) -> Result<u32, String> {
+        let seg = self
+            .segments
+            .iter()
+            .find(|s| s.live && s.addr <= addr && addr < s.addr + s.size)
+            .ok_or_else(|| format!("no segment holds {addr:#x}"))?;
+        let mut id = seg.head;
+        while id != NIL && self.block(id).addr + self.block(id).size <= addr {
+            id = self.block(id).next;
+        }
+        let b = self.block(id);
+        if size == 0 || b.state != State::Free || addr + size > b.addr + b.size {
+            return Err(format!(
+                "{size} bytes at {addr:#x} are not inside one free block"
+            ));
+        }
+        let (start, whole, heap, was_split) = (b.addr, b.size, b.heap, b.is_split());
+        if addr > start {
+            // The head stays free: one free block becomes two.
+            self.unindex_free(id);
+            let tail = self.split_off(id, addr - start);
+            self.index_free(id);
+            if self.track_split {
+                if was_split {
+                    self.stats.inactive_split.inc(heap, 1);
+                } else {
+                    self.stats.inactive_split.inc(heap, 2);
+                    self.stats.inactive_split_bytes.inc(heap, whole);
+                }
+            }
+            id = tail;
+        }
+        let split = self.block(id).size > size;
+        Ok(self.allocate(id, size, requested, Pool::of(size), split))
+    }
+
     /// The allocated block at `addr`, if there is one.
     #[inline]
     pub fn allocated_at(&self, addr: u64) -> Option<u32> {

@@ -179,6 +179,23 @@ pub trait Policy: Send {
         self.free(addr, dev)
     }
 
+    /// Hands out `size` bytes (`requested` of them asked for) at exactly `addr`, inside a free
+    /// block: how a private pool's checkpoint puts its blocks back (see
+    /// [`crate::Allocator::restore_pool`]). Only the caching policy over plain segments, which
+    /// serves private pools, can; the others refuse.
+    fn allocate_at(
+        &mut self,
+        addr: DevPtr,
+        size: u64,
+        requested: u64,
+    ) -> Result<Placement, String> {
+        let _ = (addr, size, requested);
+        Err(format!(
+            "the {} policy cannot place a block at a given address",
+            self.name()
+        ))
+    }
+
     /// Returns cached memory that no live block uses to the device; returns the bytes
     /// returned.
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError>;

@@ -134,6 +134,22 @@ impl Policy for Segmented {
         Ok(())
     }
 
+    fn allocate_at(
+        &mut self,
+        addr: DevPtr,
+        size: u64,
+        requested: u64,
+    ) -> Result<Placement, String> {
+        // Blocks in the quick cache are free but not merged: merged first, they can be carved.
+        self.set.flush_cache();
+        let id = self.set.carve(addr, size, requested)?;
+        Ok(Placement {
+            addr,
+            size,
+            handle: id,
+        })
+    }
+
     fn release_cached(&mut self, dev: &Device) -> Result<u64, BackendError> {
         self.set.flush_cache();
         let mut whole = Vec::new();
@@ -256,6 +272,41 @@ mod tests {
         assert_eq!(d.lock().held(), 40 * MIB, "no new segment");
         n.check().unwrap();
         c.check().unwrap();
+    }
+
+    #[test]
+    fn a_block_carved_at_an_address_splits_and_counts_like_any_other() {
+        let d = dev();
+        let mut p = Segmented::caching(0);
+        // One 2 MiB segment, all free (its only block waits in the quick cache).
+        let first = p.allocate(4096, &d).unwrap();
+        p.free(first.addr, &d).unwrap();
+        let seg = first.addr;
+        // 4 KiB at 8 KiB into the segment: a free head, the block, a free tail.
+        let b = p.allocate_at(seg + 8192, 4096, 4000).unwrap();
+        assert_eq!((b.addr, b.size), (seg + 8192, 4096));
+        p.check().unwrap();
+        let s = p.stats();
+        assert_eq!(s.inactive_split.all.current, 2);
+        assert_eq!(s.inactive_split_bytes.all.current, (2 * MIB - 4096) as i64);
+        assert_eq!(s.allocated_bytes.small_pool.current, 4096);
+        assert_eq!(s.requested_bytes.all.current, 4000);
+        assert!(p.is_allocated(seg + 8192));
+        // Taken, or partly outside any free block: refused, nothing changed.
+        for (addr, size) in [(seg + 8192, 512), (seg + 4096, 8192), (seg + 2 * MIB, 512)] {
+            assert!(p.allocate_at(addr, size, size).is_err(), "{addr:#x} {size}");
+        }
+        assert_eq!(p.stats().inactive_split.all.current, 2);
+        // The head's own room can still be carved, right up to the block.
+        let h = p.allocate_at(seg + 4096, 4096, 4096).unwrap();
+        assert_eq!(p.stats().inactive_split.all.current, 2, "head and tail");
+        p.free(h.addr, &d).unwrap();
+        p.free(b.addr, &d).unwrap();
+        // Merged back whole, the segment goes back to the device.
+        assert_eq!(p.release_cached(&d).unwrap(), 2 * MIB);
+        assert_eq!(p.stats().inactive_split.all.current, 0);
+        assert_eq!(p.stats().inactive_split_bytes.all.current, 0);
+        p.check().unwrap();
     }
 
     #[test]
