@@ -109,6 +109,7 @@ _NATIVE_HOOKS = (
     "gpumem_torch_pool_checkpoint",
     "gpumem_torch_pool_checkpoint_free",
     "gpumem_torch_pool_restore",
+    "gpumem_torch_pool_live_blocks",
 )
 # CUDA graph capture's C++ hooks (gpumem_torch_pool_hook_address's numbering), with the
 # CUDAPluggableAllocator setter of each; the native allocator takes them after _NATIVE_HOOKS.

@@ -269,7 +269,7 @@ print(json.dumps(out))
 """
     )
     if install_path == "pluggable":
-        assert r["error"] is not None and "getCheckpointState" in r["error"], r
+        assert r["error"] is not None and "does not yet support" in r["error"], r
         pytest.skip(f"PyTorch's pluggable allocator has no pool checkpoints: {r['error'][:160]}")
     assert r["error"] is None, r
     assert [row[2:] for row in r["rows"]] == [[True, True]] * 9, r["rows"]

@@ -87,6 +87,9 @@ back = sorted([vals[2 + n_freed + 2 * i], vals[3 + n_freed + 2 * i]] for i in ra
 tree["freed_ok"] = freed == sorted([cx, cw])
 tree["back_ok"] = back == sorted([[cx, 1], [cy, 1]])
 tree["pool_after"] = pool_blocks((0, 55)) == sorted([cx, cy])
+check_live = torch._C._cuda_checkPoolLiveAllocations
+tree["live_check"] = [check_live(0, (0, 55), {cx, cy}), check_live(0, (0, 55), {cx}),
+                      check_live(0, (0, 55), {cx, cy, eager}), check_live(0, (0, 55), {cx, eager})]
 tc(0, 0, 55, 2, ctypes.byref(state), vals, 64, cerr, 300)
 for p in (cx, cy, eager):
     raw_delete(p)
@@ -115,6 +118,8 @@ def check_graph_tree(tree):
     assert rc == 1 and "a capture is filling it" in msg, msg
     assert tree["restore"] == [0, ""], tree["restore"]
     assert tree["freed_ok"] and tree["back_ok"] and tree["pool_after"], tree
+    # c10's checkPoolLiveAllocations, which the trees call after every recording and restore.
+    assert tree["live_check"] == [True, False, False, False], tree["live_check"]
     assert tree["binding"] == ["_cuda_CUDAAllocator_AllocatorState", True], tree["binding"]
     assert tree["live_after"] == 0, tree
 

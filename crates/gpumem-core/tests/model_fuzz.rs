@@ -10,6 +10,10 @@
 //! a pool with users has handed out; the pool's memory is free for others only once its last
 //! user is gone.
 //!
+//! Checkpoints of a pool are taken and restored, as torch.compile's CUDA graph trees do: a
+//! restore frees the pool's live blocks and hands the checkpoint's out again at their
+//! addresses, which must overlap nothing live.
+//!
 //! GPUMEM_FUZZ_OPS sets the total number of operations (default 2,000,000 across all policies).
 
 use gpumem_core::backend::sim::{EventMode, SimBackend, SimConfig, SimControl};
@@ -17,6 +21,10 @@ use gpumem_core::{AllocError, Allocation, Allocator, Config, PolicyKind};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PtConfig, TestRunner};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Restores that put blocks back, over the whole run (the fuzz must reach them).
+static RESTORED: AtomicUsize = AtomicUsize::new(0);
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -28,6 +36,8 @@ enum Op {
     BeginCapture { pool: u8, stream: u8 },
     EndCapture,
     ReleasePool { pool: u8 },
+    Checkpoint { pool: u8 },
+    Restore { pool: u8 },
 }
 
 const POOLS: [(u64, u64); 3] = [(1, 0), (2, 0), (0, 3)];
@@ -53,6 +63,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (0u8..3, 0u8..3).prop_map(|(pool, stream)| Op::BeginCapture { pool, stream }),
         1 => Just(Op::EndCapture),
         1 => (0u8..3).prop_map(|pool| Op::ReleasePool { pool }),
+        1 => (0u8..3).prop_map(|pool| Op::Checkpoint { pool }),
+        1 => (0u8..3).prop_map(|pool| Op::Restore { pool }),
     ]
 }
 
@@ -62,16 +74,29 @@ struct Live {
     a: Allocation,
     requested: u64,
     used_on: Vec<u64>,
+    /// The private pool it came from.
+    pool: Option<usize>,
 }
+
+type Pending = (
+    u64,
+    u64,
+    u64,
+    Vec<gpumem_core::backend::EventHandle>,
+    Option<usize>,
+);
 
 struct Model {
     live: Vec<Live>,
-    /// Address ranges freed but waiting for events: (start, end, requested bytes, events).
-    quarantine: Vec<(u64, u64, u64, Vec<gpumem_core::backend::EventHandle>)>,
+    /// Address ranges freed but waiting for events: (start, end, requested bytes, events, the
+    /// private pool of the block).
+    quarantine: Vec<Pending>,
     /// The capture underway: its pool and stream.
     capture: Option<(usize, u64)>,
     /// Each pool's users, and every range it handed out since it last had none.
     pools: [(u32, Vec<(u64, u64)>); 3],
+    /// Each pool's last checkpoint, kept while the pool has had users ever since.
+    checkpoints: [Option<gpumem_core::PoolCheckpoint>; 3],
 }
 
 impl Model {
@@ -123,6 +148,7 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
         quarantine: Vec::new(),
         capture: None,
         pools: Default::default(),
+        checkpoints: Default::default(),
     };
     let mut ranges: BTreeMap<u64, u64> = BTreeMap::new();
     let mut retries = 0;
@@ -164,7 +190,7 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                                 "{policy:?} step {step}: new block {start:#x}..{end:#x} overlaps live {os:#x}..{oe:#x}"
                             )));
                         }
-                        for (qs, qe, _, _) in &m.quarantine {
+                        for (qs, qe, ..) in &m.quarantine {
                             prop_assert!(
                                 end <= *qs || start >= *qe,
                                 "{:?} step {}: block {:#x} reuses memory freed with pending stream uses",
@@ -178,6 +204,7 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                             a,
                             requested: *size,
                             used_on: Vec::new(),
+                            pool,
                         });
                     }
                     Err(AllocError::OutOfMemory(r)) => {
@@ -236,7 +263,7 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                 if !l.used_on.is_empty() {
                     prop_assert_eq!(evs.len(), l.used_on.len(), "one event per stream used");
                     m.quarantine
-                        .push((l.a.ptr, l.a.ptr + l.a.size, l.requested, evs));
+                        .push((l.a.ptr, l.a.ptr + l.a.size, l.requested, evs, l.pool));
                 }
                 // A second free of the same pointer is an error, never a crash.
                 prop_assert!(alloc.free(l.a.ptr).is_err());
@@ -262,7 +289,7 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
             }
             Op::CompleteEvents { count } => {
-                for (_, _, _, evs) in m.quarantine.drain(..(*count).min(m.quarantine.len())) {
+                for (_, _, _, evs, _) in m.quarantine.drain(..(*count).min(m.quarantine.len())) {
                     for e in evs {
                         ctl.complete(e);
                     }
@@ -314,8 +341,106 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
                 if m.pools[p].0 == 0 {
                     // Its memory may go to anyone now, once freed and given back.
                     m.pools[p].1.clear();
+                    m.checkpoints[p] = None;
                 }
                 prop_assert_eq!(alloc.pool_use_count(POOLS[p]), m.pools[p].0);
+            }
+            Op::Checkpoint { pool } => {
+                let p = *pool as usize;
+                if m.pools[p].0 == 0 {
+                    continue;
+                }
+                let cp = alloc
+                    .checkpoint_pool(POOLS[p])
+                    .map_err(|e| TestCaseError::fail(format!("{policy:?} step {step}: {e}")))?;
+                let mut got: Vec<_> = cp.blocks.iter().map(|b| (b.addr, b.size)).collect();
+                let mut want: Vec<_> = m
+                    .live
+                    .iter()
+                    .filter(|l| l.pool == Some(p))
+                    .map(|l| (l.a.ptr, l.a.size))
+                    .collect();
+                got.sort_unstable();
+                want.sort_unstable();
+                prop_assert_eq!(
+                    got,
+                    want,
+                    "{:?} step {}: checkpoint of pool {}",
+                    policy,
+                    step,
+                    p
+                );
+                m.checkpoints[p] = Some(cp);
+            }
+            Op::Restore { pool } => {
+                let p = *pool as usize;
+                let Some(cp) = m.checkpoints[p].clone() else {
+                    continue;
+                };
+                let used_elsewhere = m
+                    .live
+                    .iter()
+                    .any(|l| l.pool == Some(p) && !l.used_on.is_empty());
+                if m.capture.is_some_and(|(c, _)| c == p) || used_elsewhere {
+                    // Refused, and nothing changes (the statistics below check it).
+                    prop_assert!(
+                        alloc.restore_pool(&cp).is_err(),
+                        "{:?} step {}",
+                        policy,
+                        step
+                    );
+                    continue;
+                }
+                if m.capture.is_some() {
+                    continue; // another pool fills: its pending blocks could not be waited for
+                }
+                let r = alloc
+                    .restore_pool(&cp)
+                    .map_err(|e| TestCaseError::fail(format!("{policy:?} step {step}: {e}")))?;
+                // Every live block of the pool is freed, its pending ones waited for.
+                let (gone, kept): (Vec<_>, Vec<_>) =
+                    m.live.drain(..).partition(|l| l.pool == Some(p));
+                m.live = kept;
+                let mut freed: Vec<_> = gone.iter().map(|l| l.a.ptr).collect();
+                let mut got = r.freed.clone();
+                freed.sort_unstable();
+                got.sort_unstable();
+                prop_assert_eq!(
+                    got,
+                    freed,
+                    "{:?} step {}: blocks freed by the restore",
+                    policy,
+                    step
+                );
+                for l in &gone {
+                    ranges.remove(&l.a.ptr);
+                }
+                m.quarantine.retain(|q| q.4 != Some(p));
+                // The checkpoint's blocks are live again, where they were, on top of nothing.
+                for (a, b) in r.allocated.iter().zip(&cp.blocks) {
+                    prop_assert_eq!((a.ptr, a.size), (b.addr, b.size));
+                    let (start, end) = (a.ptr, a.ptr + a.size);
+                    if let Some((os, oe)) = overlaps(&ranges, start, end) {
+                        return Err(TestCaseError::fail(format!(
+                            "{policy:?} step {step}: restored block {start:#x}..{end:#x} overlaps live {os:#x}..{oe:#x}"
+                        )));
+                    }
+                    for (qs, qe, ..) in &m.quarantine {
+                        prop_assert!(end <= *qs || start >= *qe, "restored over a pending block");
+                    }
+                    ranges.insert(start, end);
+                    m.pools[p].1.push((start, end));
+                    m.live.push(Live {
+                        a: *a,
+                        requested: b.requested,
+                        used_on: Vec::new(),
+                        pool: Some(p),
+                    });
+                }
+                prop_assert_eq!(r.allocated.len(), cp.blocks.len());
+                if !r.allocated.is_empty() {
+                    RESTORED.fetch_add(1, Ordering::Relaxed);
+                }
             }
             Op::EmptyCache => {
                 // empty_cache waits for every event (the host synchronizes).
@@ -351,7 +476,9 @@ fn run_sequence(policy: PolicyKind, extra: &str, ops: &[Op]) -> Result<(), TestC
         prop_assert_eq!(
             st.active_bytes.all.current as u64,
             allocated + pending,
-            "active_bytes"
+            "active_bytes at step {} after {:?}",
+            step,
+            op
         );
         // As in PyTorch, a block's requested bytes are counted until it is reusable: the live
         // blocks' and those of blocks freed but waiting for their stream uses.
@@ -417,4 +544,10 @@ fn random_operations_keep_every_invariant() {
             panic!("{policy:?}{extra}: {e}");
         }
     }
+    let restored = RESTORED.load(Ordering::Relaxed);
+    eprintln!("{restored} checkpoint restores put blocks back");
+    assert!(
+        total < 100_000 || restored > 0,
+        "no restore put a block back: the fuzz does not reach them"
+    );
 }

@@ -21,6 +21,7 @@
 //! | [`gpumem_torch_empty_pool`] | the native allocator's `emptyCache(mempool_id)` of one pool | `void (uint64_t first, uint64_t second)` |
 //! | [`gpumem_torch_pool_retain`] | the native allocator's `createOrIncrefPool` (`torch.cuda.MemPool`) | as [`gpumem_torch_pool_begin`] |
 //! | [`gpumem_torch_pool_checkpoint`], [`gpumem_torch_pool_checkpoint_free`] | the native allocator's `getCheckpointState` (torch.compile's CUDA graph trees): an owned handle | `void* (int device, uint64_t first, uint64_t second, char* err, size_t err_len)`, `void (void*)` |
+//! | [`gpumem_torch_pool_live_blocks`] | its `checkPoolLiveAllocations`: the addresses of a pool's allocated blocks | `int64_t (int device, uint64_t first, uint64_t second, uint64_t* out, size_t cap, char* err, size_t err_len)` |
 //! | [`gpumem_torch_pool_restore`] | its `setCheckpointPoolState`: the blocks freed and allocated again, told one by one | `int (int device, const void* checkpoint, void* ctx, void (*freed)(void*, uint64_t), void (*allocated)(void*, uint64_t), char* err, size_t err_len)` |
 //!
 //! CUDA graphs (`torch.cuda.graph`, `make_graphed_callables`) get private pools: while a
@@ -661,6 +662,42 @@ pub unsafe extern "C" fn gpumem_torch_pool_restore(
         Err(e) => {
             write_c_string(e.message(), err, err_len);
             1
+        }
+    }
+}
+
+/// c10's `checkPoolLiveAllocations` (CUDA graph trees check their pool with it after every
+/// recording and restore): writes the addresses of the blocks allocated in private pool
+/// (`first`, `second`) on `device`, at most `cap` of them, to `out`, and returns how many
+/// there are; -1 on failure, with the reason in `err`.
+///
+/// # Safety
+/// `out` is valid for `cap` writes (or `cap` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_torch_pool_live_blocks(
+    device: c_int,
+    first: u64,
+    second: u64,
+    out: *mut u64,
+    cap: usize,
+    err: *mut c_char,
+    err_len: usize,
+) -> i64 {
+    let r = device_index(device).and_then(|d| {
+        catch_unwind(|| global().pool_checkpoint(d, (first, second)))
+            .unwrap_or_else(|_| Err(internal_error("a pool's live blocks")))
+    });
+    match r {
+        Ok(cp) => {
+            for (i, b) in cp.blocks.iter().take(cap).enumerate() {
+                // SAFETY: i < cap, and the caller guarantees `out` holds `cap` values.
+                unsafe { *out.add(i) = b.addr };
+            }
+            i64::try_from(cp.blocks.len()).unwrap_or(i64::MAX)
+        }
+        Err(e) => {
+            write_c_string(e.message(), err, err_len);
+            -1
         }
     }
 }

@@ -46,6 +46,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -78,6 +79,8 @@ using RestoreBlockFn = void (*)(void* ctx, uint64_t ptr);
 using PoolRestoreFn = int (*)(int device, const void* checkpoint, void* ctx,
                               RestoreBlockFn freed, RestoreBlockFn allocated, char* err,
                               size_t err_len);
+using PoolLiveBlocksFn = int64_t (*)(int device, uint64_t first, uint64_t second, uint64_t* out,
+                                     size_t cap, char* err, size_t err_len);
 // The shim's CUDA graph hooks (crates/gpumem-py/shim/torch_shim.cpp); begin and end may throw.
 using BeginAllocateToPoolFn = void (*)(int device, c10::cuda::MempoolId_t pool,
                                        std::function<bool(cudaStream_t)> filter);
@@ -107,6 +110,7 @@ struct Hooks {
   PoolCheckpointFn pool_checkpoint = nullptr;
   PoolCheckpointFreeFn pool_checkpoint_free = nullptr;
   PoolRestoreFn pool_restore = nullptr;
+  PoolLiveBlocksFn pool_live_blocks = nullptr;
   BeginAllocateToPoolFn begin_allocate_to_pool = nullptr;
   PoolFn end_allocate_to_pool = nullptr;
   PoolFn release_pool = nullptr;
@@ -402,6 +406,21 @@ class GpumemAllocator final : public cca::CUDAAllocator {
     delta.ptrs_freed = std::move(blocks.freed);
     return delta;
   }
+  // Whether the blocks allocated in the pool are exactly `expected` (the trees' check after
+  // every recording and restore, on by default in PyTorch 2.11).
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::MempoolId_t pool,
+                                const std::unordered_set<void*>& expected) override {
+    std::vector<uint64_t> live(expected.size() + 1);
+    char err[1024] = {0};
+    const int64_t n = hooks.pool_live_blocks(device, pool.first, pool.second, live.data(),
+                                             live.size(), err, sizeof err);
+    TORCH_CHECK(n >= 0, err);
+    if (static_cast<size_t>(n) != expected.size()) return false;
+    for (int64_t i = 0; i < n; ++i) {
+      if (expected.count(reinterpret_cast<void*>(live[static_cast<size_t>(i)])) == 0) return false;
+    }
+    return true;
+  }
   std::string name() override { return "gpumem"; }
 
   // Statistics under PyTorch's names, so that torch._C's own functions (and C++ callers of
@@ -488,7 +507,7 @@ extern "C" int gpumem_native_install(const uintptr_t* addresses, int count, char
                                 &h.reset_peak_stats, &h.reset_accumulated_stats,
                                 &h.limit_and_free, &h.memory_fraction, &h.pool_use_count,
                                 &h.pool_retain, &h.empty_pool, &h.pool_checkpoint,
-                                &h.pool_checkpoint_free, &h.pool_restore,
+                                &h.pool_checkpoint_free, &h.pool_restore, &h.pool_live_blocks,
                                 &h.begin_allocate_to_pool, &h.end_allocate_to_pool,
                                 &h.release_pool);
   constexpr int kHooks = static_cast<int>(std::tuple_size<decltype(fields)>::value);

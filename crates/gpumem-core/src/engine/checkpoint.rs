@@ -91,15 +91,6 @@ impl Allocator {
         let stream = pools.of_key(key).and_then(|(_, s)| s).unwrap_or(key);
         let (idx, sh) = self.pool_shard(key)?;
         let mut st = sh.state.lock();
-        if !st.pending.is_empty() {
-            self.poll_events(&mut st, key, true)?;
-            if !st.pending.is_empty() {
-                return Err(refused(
-                    cp.id,
-                    "blocks freed in it wait for other streams while another capture is underway",
-                ));
-            }
-        }
         let now = st.policy.segments();
         for &(addr, size) in &cp.segments {
             if !now.iter().any(|s| s.addr == addr && s.size == size) {
@@ -120,6 +111,16 @@ impl Allocator {
                 cp.id,
                 &format!("its block at {p:#x} was used on another stream (record_stream)"),
             ));
+        }
+        // Blocks freed after use on other streams: waited for (their segments must be whole).
+        if !st.pending.is_empty() {
+            self.poll_events(&mut st, key, true)?;
+            if !st.pending.is_empty() {
+                return Err(refused(
+                    cp.id,
+                    "blocks freed in it wait for other streams while another capture is underway",
+                ));
+            }
         }
         // Every segment is now one free block once its live blocks are freed (none waits for
         // another stream), so the checkpoint's blocks, which tile within its segments, all fit.
