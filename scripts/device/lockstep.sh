@@ -27,7 +27,9 @@ mkdir -p "$OUT"
 source scripts/device/wheel.sh
 install_gpumem_wheel /tmp/gpumem-site
 nvidia-smi -L > "$OUT/gpu.txt" 2>&1
-PAIRS=native:native-again,native:gpumem,gpumem:native
+# PAIRS=... overrides the pairs (e.g. native:native-again,native:gpumem-native,gpumem-native:native
+# for the native install path).
+PAIRS=${PAIRS:-native:native-again,native:gpumem,gpumem:native}
 rc=0
 if [[ $PART != server ]]; then
     python3 scripts/lockstep_steps.py --workloads prefetch_mlp --steps 300 --cpus 4 \

@@ -519,3 +519,37 @@ fn a_restore_that_cannot_be_done_is_refused_and_changes_nothing() {
     a.check().unwrap();
     assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
 }
+
+#[test]
+fn with_the_history_on_a_restore_is_recorded_and_snapshots_agree() {
+    for p in ["stitched", "caching"] {
+        let (a, _) = audited_sim(&format!("policy:{p},history:1000"), 8 * GIB);
+        a.begin_pool(GRAPH).unwrap();
+        let x = a.allocate_in_pool(3 * MIB, CAPTURE, GRAPH).unwrap();
+        let y = a.allocate_in_pool(MIB, CAPTURE, GRAPH).unwrap();
+        a.end_pool(GRAPH).unwrap();
+        let cp = a.checkpoint_pool(GRAPH).unwrap();
+        a.free(y.ptr).unwrap();
+        let r = a.restore_pool(&cp).unwrap();
+        assert_eq!(r.freed, vec![x.ptr], "{p}");
+        // The snapshot, built from the history, checks that it agrees with the policies'
+        // blocks: both blocks are live again.
+        let snap = gpumem_core::report::snapshot::collect(&a).unwrap();
+        let mut active: Vec<_> = snap
+            .segments
+            .iter()
+            .filter(|s| s.pool_id == GRAPH)
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.state == gpumem_core::trace::pickle::BlockState::ActiveAllocated)
+            .map(|b| b.address)
+            .collect();
+        active.sort_unstable();
+        let mut want = vec![x.ptr, y.ptr];
+        want.sort_unstable();
+        assert_eq!(active, want, "{p}");
+        for b in &r.allocated {
+            a.free(b.ptr).unwrap();
+        }
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, 0, "{p}");
+    }
+}
