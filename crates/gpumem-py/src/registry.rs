@@ -612,12 +612,7 @@ impl Registry {
     /// The blocks of private pool `id` on `device` now (c10's `getCheckpointState`, which
     /// torch.compile's CUDA graph trees call after each graph they record).
     pub fn pool_checkpoint(&self, device: usize, id: PoolId) -> Result<PoolCheckpoint, TorchError> {
-        let slot = self.get(device).ok_or_else(|| {
-            TorchError::Other(format!("gpumem: no private pool on device {device}"))
-        })?;
-        slot.alloc
-            .checkpoint_pool(id)
-            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+        self.on_pool_device(device, |a| a.checkpoint_pool(id))
     }
 
     /// Sets the private pool of checkpoint `cp` on `device` back to it (c10's
@@ -627,12 +622,20 @@ impl Registry {
         device: usize,
         cp: &PoolCheckpoint,
     ) -> Result<PoolRestore, TorchError> {
+        self.on_pool_device(device, |a| a.restore_pool(cp))
+    }
+
+    /// `f` on the allocator of `device`, which must have one (its pools were made by earlier
+    /// calls), with an error that names the device.
+    fn on_pool_device<T>(
+        &self,
+        device: usize,
+        f: impl FnOnce(&Allocator) -> Result<T, AllocError>,
+    ) -> Result<T, TorchError> {
         let slot = self.get(device).ok_or_else(|| {
             TorchError::Other(format!("gpumem: no private pool on device {device}"))
         })?;
-        slot.alloc
-            .restore_pool(cp)
-            .map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
+        f(&slot.alloc).map_err(|e| TorchError::Other(format!("gpumem (device {device}): {e}")))
     }
 
     /// Users of pool `id` on `device` (c10's `getPoolUseCount`); 0 where gpumem never
