@@ -200,8 +200,10 @@ def install(
             mutex, which costs about as much per call as PyTorch's own allocator; the native
             one calls gpumem and nothing else. It also answers what the pluggable one cannot:
             ``cacheInfo`` (cuDNN's benchmark mode), c10's statistics (``torch._C`` reads
-            gpumem's) and out-of-memory observers
-            (``torch._C._cuda_attach_out_of_memory_observer``). ``None`` reads
+            gpumem's), out-of-memory observers
+            (``torch._C._cuda_attach_out_of_memory_observer``), ``torch.cuda.MemPool`` and
+            ``torch.compile(mode="reduce-overhead")``, whose CUDA graph trees checkpoint and
+            restore their pool. ``None`` reads
             ``GPUMEM_TORCH_NATIVE`` (``1`` or ``0``; unset: the pluggable allocator).
 
     Raises:

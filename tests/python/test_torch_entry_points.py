@@ -598,3 +598,80 @@ print(json.dumps(r))
     assert rc_first == 0 and rc_second == 1 and "no user left" in msg, r["release"]
     assert r["users_after"] == 0
     assert r["after_release"] == 0, "the pool's memory went back once the graph was gone"
+
+
+def test_the_checkpoint_exports_restore_a_pool_and_refuse_misuse():
+    """The C functions behind c10's getCheckpointState / setCheckpointPoolState /
+    checkPoolLiveAllocations (what the native allocator calls for torch.compile's CUDA graph
+    trees), called through ctypes as C would: a pool's blocks are restored where they were,
+    reported through the two callbacks; misuse is refused with a message, never a crash."""
+    out = _fresh_process(r"""
+import ctypes, json
+import gpumem
+from gpumem import _native
+MIB = 1 << 20
+_native.torch_use_simulated_devices(2, 1 << 30, True)
+_native.torch_configure("policy:stitched")
+lib = ctypes.CDLL(_native.__file__)
+ck = lib.gpumem_torch_pool_checkpoint
+ck.restype = ctypes.c_void_p
+ck.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]
+ck_free = lib.gpumem_torch_pool_checkpoint_free
+ck_free.argtypes = [ctypes.c_void_p]
+CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64)
+rs = lib.gpumem_torch_pool_restore
+rs.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, CB, CB, ctypes.c_char_p, ctypes.c_size_t]
+live = lib.gpumem_torch_pool_live_blocks
+live.restype = ctypes.c_int64
+live.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
+                 ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]
+err = ctypes.create_string_buffer(300)
+r = {}
+freed, back = [], []
+on_freed = CB(lambda ctx, p: freed.append(p))
+on_back = CB(lambda ctx, p: back.append(p))
+cap, pool = 0xCA00, (0, 61)
+_native.torch_alloc(MIB, 1, 0)  # device 1 has an allocator, but not the pool
+r["no_allocator"] = [ck(0, *pool, err, len(err)) is None, err.value.decode()]
+_native.torch_free(_native.torch_alloc(MIB, 0, 0), 0, 0)
+r["unknown"] = [ck(0, *pool, err, len(err)) is None, err.value.decode()]
+_native.torch_test_capture(True, 0, *pool, cap)
+x = _native.torch_alloc(3 * MIB, 0, cap)
+y = _native.torch_alloc(MIB, 0, cap)
+_native.torch_test_capture(False, 0, *pool, cap)
+cp = ck(0, *pool, err, len(err))
+buf = (ctypes.c_uint64 * 1)()
+r["live_count"] = live(0, *pool, buf, 1, err, len(err))  # two live, room for one
+_native.torch_free(y, 0, cap)
+r["wrong_device"] = [rs(1, cp, None, on_freed, on_back, err, len(err)), err.value.decode()]
+r["no_checkpoint"] = [rs(0, None, None, on_freed, on_back, err, len(err)), err.value.decode()]
+r["calls_before"] = [len(freed), len(back)]
+r["restore"] = rs(0, cp, None, on_freed, on_back, err, len(err))
+r["freed"] = freed == [x]
+r["back"] = sorted(back) == sorted([x, y])
+buf2 = (ctypes.c_uint64 * 4)()
+n = live(0, *pool, buf2, 4, err, len(err))
+r["live_after"] = sorted(buf2[:n]) == sorted([x, y])
+ck_free(cp)
+ck_free(None)
+for p in (x, y):
+    _native.torch_free(p, 0, cap)
+r["allocated"] = gpumem.torch.memory_allocated(0)
+r["errors"] = gpumem.torch.error_counts()
+print(json.dumps(r))
+""")
+    r = json.loads(out)
+    null, msg = r["no_allocator"]
+    assert null and "no private pool on device 0" in msg, r["no_allocator"]
+    null, msg = r["unknown"]
+    assert null and "no private pool (0, 61)" in msg, r["unknown"]
+    assert r["live_count"] == 2, "the count of live blocks, beyond the room given"
+    rc, msg = r["wrong_device"]
+    assert rc == 1 and "checkpoint of device 0 cannot be restored on device 1" in msg, msg
+    rc, msg = r["no_checkpoint"]
+    assert rc == 1 and "no checkpoint" in msg, msg
+    assert r["calls_before"] == [0, 0], "a refused restore reports nothing"
+    assert r["restore"] == 0
+    assert r["freed"] and r["back"] and r["live_after"], r
+    assert r["allocated"] == 0
+    assert all(v == 0 for v in r["errors"].values()), r["errors"]
