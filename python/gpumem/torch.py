@@ -301,6 +301,38 @@ def install(
         }
         if patch_torch:
             _patch_torch(torch)
+            if not use_native:
+                _explain_missing_checkpoints(torch)
+
+
+# What torch.compile(mode="reduce-overhead")'s CUDA graph trees call on a pool, which PyTorch's
+# pluggable wrapper cannot answer ("does not yet support ..."), and gpumem's native path does.
+_CHECKPOINT_CALLS = (
+    "_cuda_getCheckpointState",
+    "_cuda_setCheckpointPoolState",
+    "_cuda_checkPoolLiveAllocations",
+)
+
+
+def _explain_missing_checkpoints(torch: Any) -> None:
+    """On the pluggable path, makes torch._C's pool-checkpoint calls raise an error that says
+    how to get them (they raise PyTorch's bare "does not yet support" otherwise)."""
+
+    def refuse(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            del args, kwargs
+            raise RuntimeError(
+                f"gpumem: {name} is not available through PyTorch's pluggable allocator, which "
+                "has no checkpoints of a CUDA graph pool; torch.compile(mode=\"reduce-overhead\") "
+                "needs them. Call gpumem.torch.install(native=True) (or set "
+                "GPUMEM_TORCH_NATIVE=1) instead"
+            )
+
+        return call
+
+    for name in _CHECKPOINT_CALLS:
+        if hasattr(torch._C, name):
+            setattr(torch._C, name, refuse(name))
 
 
 def _native_wanted(native: Optional[bool]) -> bool:

@@ -149,8 +149,19 @@ ok = _native.torch_call_alloc_from_cpp(1 << 20, 0, 0)
 """
         + GRAPH_POOL_SCRIPT
         + """
+# torch.compile(mode="reduce-overhead")'s pool checkpoints: the pluggable wrapper has none, and
+# the error says how to get them.
+checkpoint_errors = []
+for call in (lambda: torch._C._cuda_getCheckpointState(0, (0, 7)),
+             lambda: torch._C._cuda_checkPoolLiveAllocations(0, (0, 7), set())):
+    try:
+        call()
+        checkpoint_errors.append(None)
+    except RuntimeError as e:
+        checkpoint_errors.append(str(e))
 print(json.dumps({
     "pool": pool,
+    "checkpoint_errors": checkpoint_errors,
     "warnings": [str(x.message) for x in w if "gpumem" in str(x.message)],
     "oom_exception": gpumem.torch.oom_exception(),
     "backend": torch._C._cuda_getAllocatorBackend(),
@@ -175,6 +186,9 @@ print(json.dumps({
     assert what.startswith("CUDA out of memory. gpumem on device 0")
     assert r["served"] == "returned"
     check_graph_pool(r["pool"])
+    assert len(r["checkpoint_errors"]) == 2, r["checkpoint_errors"]
+    for e in r["checkpoint_errors"]:
+        assert e is not None and "install(native=True)" in e, e
     # torch.cuda.memory_stats (patched) has exactly the keys of PyTorch's own.
     assert set(r["keys"]) == TORCH_STAT_KEYS
     # torch.cuda.get_per_process_memory_fraction (patched) reads gpumem's cap as it was given.
