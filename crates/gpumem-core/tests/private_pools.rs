@@ -510,6 +510,26 @@ fn a_restore_that_cannot_be_done_is_refused_and_changes_nothing() {
     let mut other = cp.clone();
     other.id = (9, 9);
     assert!(a.restore_pool(&other).is_err());
+    // Blocks that overlap, or lie outside the checkpoint's segments (built by hand).
+    let b = cp.blocks[0];
+    for blocks in [
+        vec![
+            b,
+            gpumem_core::CheckpointBlock {
+                addr: b.addr + 512,
+                ..b
+            },
+        ],
+        vec![gpumem_core::CheckpointBlock { addr: y.ptr, ..b }],
+        vec![gpumem_core::CheckpointBlock { size: 0, ..b }],
+    ] {
+        let bad = gpumem_core::PoolCheckpoint {
+            blocks,
+            ..cp.clone()
+        };
+        let e = a.restore_pool(&bad).unwrap_err().to_string();
+        assert!(e.contains("overlaps another or lies outside"), "{e}");
+    }
     assert_eq!(pool_layout(&a), before);
 
     // Everything still frees as it should.

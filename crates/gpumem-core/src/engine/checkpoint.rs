@@ -79,9 +79,10 @@ impl Allocator {
     /// their addresses. Returns both lists.
     ///
     /// Refused, with nothing changed, while a capture fills the pool, when a segment of the
-    /// checkpoint is no longer the pool's, or when a block allocated now was used on another
-    /// stream (`record_stream`: its free would have to wait for that stream). Blocks freed
-    /// earlier that still wait for other streams are waited for on the host first.
+    /// checkpoint is no longer the pool's, when its blocks overlap or lie outside its segments,
+    /// or when a block allocated now was used on another stream (`record_stream`: its free
+    /// would have to wait for that stream). Blocks freed earlier that still wait for other
+    /// streams are waited for on the host first.
     pub fn restore_pool(&self, cp: &PoolCheckpoint) -> Result<PoolRestore, AllocError> {
         let pools = self.pools.lock();
         let key = pools.key_of(cp.id).ok_or_else(|| no_pool(cp.id))?;
@@ -100,6 +101,7 @@ impl Allocator {
                 ));
             }
         }
+        check_blocks(cp)?;
         let live: Vec<DevPtr> = now
             .iter()
             .flat_map(|s| &s.blocks)
@@ -150,6 +152,31 @@ impl Allocator {
             allocated,
         })
     }
+}
+
+/// A checkpoint's blocks must lie inside its segments without overlapping one another (its
+/// fields are public, so one may have been built by hand): checked before anything changes.
+fn check_blocks(cp: &PoolCheckpoint) -> Result<(), AllocError> {
+    let mut blocks: Vec<&CheckpointBlock> = cp.blocks.iter().collect();
+    blocks.sort_unstable_by_key(|b| b.addr);
+    let mut end = 0;
+    for b in blocks {
+        let inside = cp
+            .segments
+            .iter()
+            .any(|&(s, len)| s <= b.addr && b.addr.saturating_add(b.size) <= s + len);
+        if b.size == 0 || b.addr < end || !inside {
+            return Err(refused(
+                cp.id,
+                &format!(
+                    "its block of {} bytes at {:#x} overlaps another or lies outside its segments",
+                    b.size, b.addr
+                ),
+            ));
+        }
+        end = b.addr + b.size;
+    }
+    Ok(())
 }
 
 fn no_pool(id: PoolId) -> AllocError {
