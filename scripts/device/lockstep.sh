@@ -13,7 +13,8 @@
 #   processes (--pin-threads), 64 steps a run.
 # Each part's JSON lines go to $OUT/<part>/lockstep.jsonl, pooled at the end (`--pool`: the
 # pooled median of step ratios with its interval over steps and over whole runs; judge a target
-# by the second). Pool several calls' files the same way. The tables are printed last.
+# by the second). Pool several calls' files the same way (earlier calls' files are kept in
+# results/lockstep/). The tables are printed last.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/lockstep}
