@@ -576,24 +576,17 @@ pub extern "C" fn gpumem_torch_pool_checkpoint(
     err: *mut c_char,
     err_len: usize,
 ) -> *mut c_void {
-    let r = device_index(device).and_then(|d| {
-        catch_unwind(|| {
-            global()
-                .pool_checkpoint(d, (first, second))
-                .map(|checkpoint| TorchCheckpoint {
-                    device: d,
-                    checkpoint,
-                })
-        })
-        .unwrap_or_else(|_| Err(internal_error("a checkpoint")))
-    });
-    match r {
-        Ok(cp) => Box::into_raw(Box::new(cp)).cast(),
-        Err(e) => {
-            write_c_string(e.message(), err, err_len);
-            std::ptr::null_mut()
-        }
-    }
+    pool_entry(device, "a checkpoint", err, err_len, |d| {
+        global()
+            .pool_checkpoint(d, (first, second))
+            .map(|checkpoint| TorchCheckpoint {
+                device: d,
+                checkpoint,
+            })
+    })
+    .map_or(std::ptr::null_mut(), |cp| {
+        Box::into_raw(Box::new(cp)).cast()
+    })
 }
 
 /// Frees a handle of [`gpumem_torch_pool_checkpoint`] (null: nothing).
@@ -633,37 +626,34 @@ pub unsafe extern "C" fn gpumem_torch_pool_restore(
 ) -> c_int {
     // SAFETY: the caller passes a live handle of gpumem_torch_pool_checkpoint (or null).
     let cp = unsafe { checkpoint.cast::<TorchCheckpoint>().as_ref() };
-    let r = match (device_index(device), cp) {
-        (Err(e), _) => Err(e),
-        (_, None) => Err(TorchError::Other(
-            "gpumem: setCheckpointPoolState was given no checkpoint".into(),
-        )),
-        (Ok(d), Some(cp)) if d != cp.device => Err(TorchError::Other(format!(
-            "gpumem: a checkpoint of device {} cannot be restored on device {d}",
-            cp.device
-        ))),
-        (Ok(d), Some(cp)) => catch_unwind(AssertUnwindSafe(|| {
-            global().pool_restore(d, &cp.checkpoint)
-        }))
-        .unwrap_or_else(|_| Err(internal_error("a checkpoint's restore"))),
+    let restored = pool_entry(
+        device,
+        "a checkpoint's restore",
+        err,
+        err_len,
+        |d| match cp {
+            None => Err(TorchError::Other(
+                "gpumem: setCheckpointPoolState was given no checkpoint".into(),
+            )),
+            Some(cp) if d != cp.device => Err(TorchError::Other(format!(
+                "gpumem: a checkpoint of device {} cannot be restored on device {d}",
+                cp.device
+            ))),
+            Some(cp) => global().pool_restore(d, &cp.checkpoint),
+        },
+    );
+    let Some(done) = restored else {
+        return 1;
     };
-    match r {
-        Ok(done) => {
-            for &p in &done.freed {
-                // SAFETY: the caller's function, with the caller's context, as documented.
-                unsafe { freed(ctx, p) };
-            }
-            for a in &done.allocated {
-                // SAFETY: as above.
-                unsafe { allocated(ctx, a.ptr) };
-            }
-            0
-        }
-        Err(e) => {
-            write_c_string(e.message(), err, err_len);
-            1
-        }
+    for &p in &done.freed {
+        // SAFETY: the caller's function, with the caller's context, as documented.
+        unsafe { freed(ctx, p) };
     }
+    for a in &done.allocated {
+        // SAFETY: as above.
+        unsafe { allocated(ctx, a.ptr) };
+    }
+    0
 }
 
 /// c10's `checkPoolLiveAllocations` (CUDA graph trees check their pool with it after every
@@ -683,47 +673,48 @@ pub unsafe extern "C" fn gpumem_torch_pool_live_blocks(
     err: *mut c_char,
     err_len: usize,
 ) -> i64 {
-    let r = device_index(device).and_then(|d| {
-        catch_unwind(|| global().pool_checkpoint(d, (first, second)))
-            .unwrap_or_else(|_| Err(internal_error("a pool's live blocks")))
-    });
-    match r {
-        Ok(cp) => {
-            for (i, b) in cp.blocks.iter().take(cap).enumerate() {
-                // SAFETY: i < cap, and the caller guarantees `out` holds `cap` values.
-                unsafe { *out.add(i) = b.addr };
-            }
-            i64::try_from(cp.blocks.len()).unwrap_or(i64::MAX)
-        }
-        Err(e) => {
-            write_c_string(e.message(), err, err_len);
-            -1
-        }
+    let Some(cp) = pool_entry(device, "a pool's live blocks", err, err_len, |d| {
+        global().pool_checkpoint(d, (first, second))
+    }) else {
+        return -1;
+    };
+    for (i, b) in cp.blocks.iter().take(cap).enumerate() {
+        // SAFETY: i < cap, and the caller guarantees `out` holds `cap` values.
+        unsafe { *out.add(i) = b.addr };
     }
-}
-
-fn internal_error(what: &str) -> TorchError {
-    TorchError::Other(format!(
-        "gpumem: internal error (a panic) in {what}; please report it"
-    ))
+    i64::try_from(cp.blocks.len()).unwrap_or(i64::MAX)
 }
 
 fn pool_call(device: c_int, op: PoolOp, id: (u64, u64), err: *mut c_char, err_len: usize) -> c_int {
-    let r = match device_index(device) {
-        Ok(d) => catch_unwind(|| global().pool(d, op, id)).unwrap_or_else(|_| {
-            Err(TorchError::Other(
-                "gpumem: internal error (a panic) in a private-pool call".into(),
-            ))
-        }),
-        Err(e) => Err(e),
-    };
-    match r {
-        Ok(()) => 0,
-        Err(e) => {
-            write_c_string(e.message(), err, err_len);
-            1
-        }
+    let done = pool_entry(device, "a private-pool call", err, err_len, |d| {
+        global().pool(d, op, id)
+    });
+    if done.is_some() {
+        0
+    } else {
+        1
     }
+}
+
+/// The body of an exported private-pool function: `f` on the registry's index of `device`,
+/// a panic inside it turned into an error. On error, `None`, with the message copied into
+/// `err` (room for `err_len` bytes) for the C++ caller to throw.
+fn pool_entry<T>(
+    device: c_int,
+    what: &str,
+    err: *mut c_char,
+    err_len: usize,
+    f: impl FnOnce(usize) -> Result<T, TorchError>,
+) -> Option<T> {
+    let r = device_index(device).and_then(|d| {
+        catch_unwind(AssertUnwindSafe(|| f(d))).unwrap_or_else(|_| {
+            Err(TorchError::Other(format!(
+                "gpumem: internal error (a panic) in {what}; please report it"
+            )))
+        })
+    });
+    r.map_err(|e| write_c_string(e.message(), err, err_len))
+        .ok()
 }
 
 /// Copies `text` into `out` (room for `len` bytes), cut to fit and NUL-terminated.

@@ -13,7 +13,7 @@ use super::pools::PoolId;
 use super::track::Action;
 use super::{AllocError, Allocation, Allocator};
 use crate::backend::DevPtr;
-use crate::policy::BlockKind;
+use crate::policy::{BlockInfo, BlockKind, SegmentInfo};
 
 /// A block handed out when the checkpoint was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,10 +57,7 @@ impl Allocator {
             None => Vec::new(),
         };
         drop(pools);
-        let blocks = segments
-            .iter()
-            .flat_map(|s| &s.blocks)
-            .filter(|b| b.kind == BlockKind::Allocated)
+        let blocks = allocated_blocks(&segments)
             .map(|b| CheckpointBlock {
                 addr: b.addr,
                 size: b.size,
@@ -102,12 +99,7 @@ impl Allocator {
             }
         }
         check_blocks(cp)?;
-        let live: Vec<DevPtr> = now
-            .iter()
-            .flat_map(|s| &s.blocks)
-            .filter(|b| b.kind == BlockKind::Allocated)
-            .map(|b| b.addr)
-            .collect();
+        let live: Vec<DevPtr> = allocated_blocks(&now).map(|b| b.addr).collect();
         if let Some(p) = live.iter().find(|p| st.uses.contains_key(p)) {
             return Err(refused(
                 cp.id,
@@ -177,6 +169,14 @@ fn check_blocks(cp: &PoolCheckpoint) -> Result<(), AllocError> {
         end = b.addr + b.size;
     }
     Ok(())
+}
+
+/// The blocks handed out (not free, not pending) of `segments`.
+fn allocated_blocks(segments: &[SegmentInfo]) -> impl Iterator<Item = &BlockInfo> {
+    segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.kind == BlockKind::Allocated)
 }
 
 fn no_pool(id: PoolId) -> AllocError {

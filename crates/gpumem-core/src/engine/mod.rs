@@ -1018,16 +1018,9 @@ impl Allocator {
     pub fn begin_pool(&self, id: PoolId) -> Result<(), AllocError> {
         let mut pools = self.pools.lock();
         let key = pools.begin(id).map_err(AllocError::Pool)?;
-        match self.pool_shard(key) {
-            Ok((_, sh)) => sh.state.lock().kept = true,
-            Err(e) => {
-                // The stream table is full: the pool is given up as if never begun.
-                let _ = pools.end(id);
-                if let Ok((_, false)) = pools.release(id) {
-                    pools.retire(id);
-                }
-                return Err(e);
-            }
+        if let Err(e) = self.keep_pool_shard(&mut pools, id, key) {
+            let _ = pools.end(id); // (an error if the pool was forgotten: nothing to end)
+            return Err(e);
         }
         self.filling.fetch_add(1, Ordering::AcqRel);
         let streams = self.streams();
@@ -1042,6 +1035,18 @@ impl Allocator {
     pub fn retain_pool(&self, id: PoolId) -> Result<(), AllocError> {
         let mut pools = self.pools.lock();
         let key = pools.retain(id).map_err(AllocError::Pool)?;
+        self.keep_pool_shard(&mut pools, id, key)
+    }
+
+    /// Marks the shard of pool `id` (key `key`), made if new, as kept; if the stream table has
+    /// no room for it, the user just added to the pool is taken back, and the pool forgotten if
+    /// that was its only one.
+    fn keep_pool_shard(
+        &self,
+        pools: &mut Pools,
+        id: PoolId,
+        key: Stream,
+    ) -> Result<(), AllocError> {
         match self.pool_shard(key) {
             Ok((_, sh)) => {
                 sh.state.lock().kept = true;
