@@ -3,7 +3,7 @@
 # the A/A control (PyTorch against itself) in the same call. On the GPU machine, from the
 # repository root, with a gpumem wheel in .device/wheels (see wheel.sh):
 #
-#     OUT=/some/folder bash scripts/device/lockstep.sh [pipeline|server|both] [ROUNDS]
+#     OUT=/some/folder bash scripts/device/lockstep.sh [pipeline|server|varlen|both] [ROUNDS]
 #
 # pipeline: the two-stream prefetch pipeline (one host thread), both processes on CPU 4, 300
 #   steps a run, about 30 s a run: ROUNDS (default 4) rounds of native:native-again,
@@ -11,6 +11,11 @@
 #   1.0026-1.0086, in two calls of 4 rounds).
 # server: the four-thread inference server, on CPUs 4-7 with thread i on CPU 4+i in both
 #   processes (--pin-threads), 64 steps a run.
+# varlen: GPT-2 with random sequence lengths, both processes on CPUs 4-7, STEPS (default 64)
+#   steps a run, about 50 s a run on an H100 (not part of `both`). Its steps are host-bound and
+#   one run's ratio moves by about 1.5 %, so the interval over runs needs many runs: shorter
+#   runs give more of them per call (session 38: six runs of 128 steps, over runs
+#   0.9990-1.0143, in 490 s).
 # Each part's JSON lines go to $OUT/<part>/lockstep.jsonl, pooled at the end (`--pool`: the
 # pooled median of step ratios with its interval over steps and over whole runs; judge a target
 # by the second). Pool several calls' files the same way (earlier calls' files are kept in
@@ -21,8 +26,8 @@ OUT=${OUT:-$PWD/out/lockstep}
 PART=${1:-both}
 ROUNDS=${2:-4}
 case "$PART" in
-    pipeline | server | both) ;;
-    *) echo "lockstep.sh: expected pipeline, server or both, not '$PART'" >&2; exit 2 ;;
+    pipeline | server | varlen | both) ;;
+    *) echo "lockstep.sh: expected pipeline, server, varlen or both, not '$PART'" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
 source scripts/device/wheel.sh
@@ -32,16 +37,20 @@ nvidia-smi -L > "$OUT/gpu.txt" 2>&1
 # for the native install path).
 PAIRS=${PAIRS:-native:native-again,native:gpumem,gpumem:native}
 rc=0
-if [[ $PART != server ]]; then
+if [[ $PART == pipeline || $PART == both ]]; then
     python3 scripts/lockstep_steps.py --workloads prefetch_mlp --steps 300 --cpus 4 \
         --pairs "$PAIRS" --repeat "$ROUNDS" --out "$OUT/pipeline" > "$OUT/pipeline.log" 2>&1 || rc=1
 fi
-if [[ $PART != pipeline ]]; then
+if [[ $PART == server || $PART == both ]]; then
     python3 scripts/lockstep_steps.py --workloads serve_threads --steps 64 --cpus 4-7 \
         --pin-threads --pairs "$PAIRS" --repeat "$ROUNDS" --out "$OUT/server" \
         > "$OUT/server.log" 2>&1 || rc=1
 fi
-for p in pipeline server; do
+if [[ $PART == varlen ]]; then
+    python3 scripts/lockstep_steps.py --workloads gpt2_varlen --steps "${STEPS:-64}" --cpus 4-7 \
+        --pairs "$PAIRS" --repeat "$ROUNDS" --out "$OUT/varlen" > "$OUT/varlen.log" 2>&1 || rc=1
+fi
+for p in pipeline server varlen; do
     if [[ -f "$OUT/$p/lockstep.jsonl" ]]; then
         echo "== $p"
         python3 scripts/lockstep_steps.py --pool "$OUT/$p/lockstep.jsonl"
