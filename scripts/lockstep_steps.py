@@ -460,6 +460,10 @@ def pool(paths) -> list:
             "runs_ci95": run_interval([statistics.median(x) for x, _, _ in rs]),
             "per_run_ratio_of_medians": [m for _, m, _ in rs],
             "geomean_ratio_of_medians": statistics.geometric_mean([m for _, m, _ in rs]),
+            # Per order, the runs' medians of step ratios: an allocator that pays for going
+            # first or second (a warmer page cache, the other process's growth) shows here.
+            "by_order": {o: [statistics.median(x) for x, _, oo in rs if oo == o]
+                         for o in sorted({o for _, _, o in rs})},
         })
     return rows
 
@@ -496,6 +500,17 @@ def print_pooled(rows) -> None:
         print(f"| {r['workload']} | {r['allocator']} | {r['runs']} ({len(r['orders'])}) | {r['steps']} "
               f"| {r['median_step_ratio']:.4f} ({ci}) | {per_run} "
               f"| {rom} ({r['geomean_ratio_of_medians']:.4f}) |")
+    # By order, under the table: mean of the runs' medians of step ratios, with its standard
+    # error where there are two runs or more.
+    for r in rows:
+        parts = []
+        for order, xs in r.get("by_order", {}).items():
+            part = f"{order}: {len(xs)} run(s), mean {statistics.mean(xs):.4f}"
+            if len(xs) > 1:
+                part += f" ± {statistics.stdev(xs) / len(xs) ** 0.5:.4f}"
+            parts.append(part)
+        if len(parts) > 1:
+            print(f"{r['workload']} {r['allocator']} by order: " + "; ".join(parts))
 
 
 def gib(x):

@@ -271,7 +271,7 @@ def test_lockstep_refuses_bad_pairs(tmp_path):
         assert out.returncode == 2 and says in out.stderr
 
 
-def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path):
+def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path, capsys):
     ls = load("lockstep_steps")
 
     def run(a, b, ta, tb):
@@ -307,6 +307,13 @@ def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path):
     slo, shi = g["median_step_ratio_ci95"]
     assert rlo <= slo <= shi <= rhi
     assert rows["native-again"]["median_step_ratio_runs_ci95"] is None
+    # Each order's runs apart: native first read 1.02, native second 1.04.
+    assert g["by_order"] == {"native first": pytest.approx([1.02]),
+                             "native second": pytest.approx([1.04])}
+    ls.print_pooled(list(rows.values()))
+    printed = capsys.readouterr().out
+    assert "w gpumem by order: native first: 1 run(s), mean 1.0200; native second: 1 run(s), mean 1.0400" in printed
+    assert "native-again by order" not in printed, "one order has no line"
 
 
 def test_gpumem_native_runs_ask_for_the_native_path_and_others_do_not(monkeypatch):
