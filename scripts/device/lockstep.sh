@@ -15,7 +15,7 @@
 #   steps a run; not part of `both`. Its steps are host-bound and one run's ratio moves by
 #   about 1.5 %, so the interval over runs needs many runs, and shorter runs give more of them
 #   per call (session 38: six runs of 128 steps, about 75 s each, over runs 0.9990-1.0143;
-#   session 39: 25 runs of 64 steps, about 47 s each, pooled with those: 0.9994-1.0053).
+#   session 39: 25 runs of 64 steps, about 50 s each, pooled with those: 0.9994-1.0053).
 # Each part's JSON lines go to $OUT/<part>/lockstep.jsonl, pooled at the end (`--pool`: the
 # pooled median of step ratios with its interval over steps and over whole runs; judge a target
 # by the second). Pool several calls' files the same way (earlier calls' files are kept in
