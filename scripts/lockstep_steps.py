@@ -447,23 +447,24 @@ def pool(paths) -> list:
         m = len(rs)
         run_boot = [statistics.median([x for _ in range(m) for x in rs[rng.randrange(m)][0]])
                     for _ in range(RUN_BOOTSTRAP_DRAWS)] if m > 1 else None
+        medians = [statistics.median(x) for x, _, _ in rs]
+        orders = sorted({o for _, _, o in rs})
         rows.append({
             "workload": workload, "allocator": name, "runs": len(rs), "steps": n,
-            "orders": sorted({o for _, _, o in rs}),
+            "orders": orders,
             "median_step_ratio": statistics.median(steps),
             "median_step_ratio_ci95": interval(boot),
             "median_step_ratio_runs_ci95": interval(run_boot) if run_boot else None,
-            "per_run_median_step_ratio": [statistics.median(x) for x, _, _ in rs],
+            "per_run_median_step_ratio": medians,
             # Runs differ by more than their steps say (each pair of processes has its own
             # placement in memory and on the host): the interval over runs is the honest one
             # for "a run of this workload".
-            "runs_ci95": run_interval([statistics.median(x) for x, _, _ in rs]),
+            "runs_ci95": run_interval(medians),
             "per_run_ratio_of_medians": [m for _, m, _ in rs],
             "geomean_ratio_of_medians": statistics.geometric_mean([m for _, m, _ in rs]),
             # Per order, the runs' medians of step ratios: an allocator that pays for going
             # first or second (a warmer page cache, the other process's growth) shows here.
-            "by_order": {o: [statistics.median(x) for x, _, oo in rs if oo == o]
-                         for o in sorted({o for _, _, o in rs})},
+            "by_order": {o: [md for md, (_, _, oo) in zip(medians, rs) if oo == o] for o in orders},
         })
     return rows
 
