@@ -434,8 +434,9 @@ def pool(paths) -> list:
             order = "native first" if r["a"] == "native" else "native second"
             runs.setdefault((r["workload"], name), []).append((ratios, rom, order))
     rows = []
-    rng = random.Random(1)
     for (workload, name), rs in sorted(runs.items()):
+        # A generator per group, so that a group's intervals do not depend on what else is pooled.
+        rng = random.Random(1)
         steps = [x for ratios, _, _ in rs for x in ratios]
         n = len(steps)
         boot = [statistics.median(steps[rng.randrange(n)] for _ in range(n))

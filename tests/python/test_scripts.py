@@ -316,6 +316,31 @@ def test_lockstep_pool_turns_both_orders_into_allocator_over_native(tmp_path, ca
     assert "native-again by order" not in printed, "one order has no line"
 
 
+def test_lockstep_pool_gives_a_group_the_same_intervals_whatever_else_is_pooled(tmp_path):
+    ls = load("lockstep_steps")
+
+    def run(a, b, ta, tb):
+        r = {"workload": "w", "a": a, "b": b, "warmup": 0, "a_step_s": ta, "b_step_s": tb}
+        r["summary"] = ls.summarize(r, 0)
+        return json.dumps(r)
+
+    base = [1.0, 1.1, 0.9, 1.2, 0.95, 1.05, 1.15, 0.85]
+    gpumem = [run("native", "gpumem", base, [x * (1 + 0.01 * i) for i, x in enumerate(base)]),
+              run("gpumem", "native", [x * (1.03 - 0.005 * i) for i, x in enumerate(base)], base)]
+    # "expandable" sorts before "gpumem": pooled first, it must not move gpumem's draws.
+    other = [run("native", "expandable", base, [x * (1.1 + 0.02 * i) for i, x in enumerate(base)])]
+    alone, mixed = tmp_path / "alone.jsonl", tmp_path / "mixed.jsonl"
+    alone.write_text("\n".join(gpumem) + "\n")
+    mixed.write_text("\n".join(other + gpumem) + "\n")
+    a = {r["allocator"]: r for r in ls.pool([alone])}["gpumem"]
+    m = {r["allocator"]: r for r in ls.pool([mixed])}
+    assert set(m) == {"gpumem", "expandable"}
+    assert m["gpumem"]["median_step_ratio_ci95"] == a["median_step_ratio_ci95"]
+    assert m["gpumem"]["median_step_ratio_runs_ci95"] == a["median_step_ratio_runs_ci95"]
+    lo, hi = a["median_step_ratio_ci95"]
+    assert lo < hi, "the steps differ, so their interval has a width"
+
+
 def test_gpumem_native_runs_ask_for_the_native_path_and_others_do_not(monkeypatch):
     bw = load("bench_workloads")
     monkeypatch.delenv("GPUMEM_TORCH_NATIVE", raising=False)
