@@ -3,7 +3,7 @@
 # the A/A control (PyTorch against itself) in the same call. On the GPU machine, from the
 # repository root, with a gpumem wheel in .device/wheels (see wheel.sh):
 #
-#     OUT=/some/folder bash scripts/device/lockstep.sh [pipeline|server|varlen|both] [ROUNDS]
+#     OUT=/some/folder bash scripts/device/lockstep.sh [pipeline|server|varlen|single|both] [ROUNDS]
 #
 # pipeline: the two-stream prefetch pipeline (one host thread), both processes on CPU 4, 300
 #   steps a run, about 30 s a run: ROUNDS (default 4) rounds of native:native-again,
@@ -16,6 +16,10 @@
 #   about 1.5 %, so the interval over runs needs many runs, and shorter runs give more of them
 #   per call (session 38: six runs of 128 steps, about 75 s each, over runs 0.9990-1.0143;
 #   session 39: 25 runs of 64 steps, about 50 s each, pooled with those: 0.9994-1.0053).
+# single: the three single-stream workloads whose GPU sets the pace, GPT-2 training (16 steps),
+#   ResNet-50 training (16 steps) and the Llama decoder (8 generations of 5-7 s a side), both
+#   processes on CPUs 4-7; not part of `both`. Session 29 timed them once each (GPT-2 and the
+#   decoder unpinned and with PyTorch first only); this part times them pinned in both orders.
 # Each part's JSON lines go to $OUT/<part>/lockstep.jsonl, pooled at the end (`--pool`: the
 # pooled median of step ratios with its interval over steps and over whole runs; judge a target
 # by the second). Pool several calls' files the same way (earlier calls' files are kept in
@@ -26,8 +30,8 @@ OUT=${OUT:-$PWD/out/lockstep}
 PART=${1:-both}
 ROUNDS=${2:-4}
 case "$PART" in
-    pipeline | server | varlen | both) ;;
-    *) echo "lockstep.sh: expected pipeline, server, varlen or both, not '$PART'" >&2; exit 2 ;;
+    pipeline | server | varlen | single | both) ;;
+    *) echo "lockstep.sh: expected pipeline, server, varlen, single or both, not '$PART'" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT"
 source scripts/device/wheel.sh
@@ -50,7 +54,21 @@ if [[ $PART == varlen ]]; then
     python3 scripts/lockstep_steps.py --workloads gpt2_varlen --steps "${STEPS:-64}" --cpus 4-7 \
         --pairs "$PAIRS" --repeat "$ROUNDS" --out "$OUT/varlen" > "$OUT/varlen.log" 2>&1 || rc=1
 fi
-for p in pipeline server varlen; do
+if [[ $PART == single ]]; then
+    # One lockstep call per workload and round, so that each workload keeps its own step count
+    # and a call cut short by a time limit still has every workload's first rounds; the runs
+    # collect in single/lockstep.jsonl as they end.
+    mkdir -p "$OUT/single"
+    for ((r = 1; r <= ROUNDS; r++)); do
+        for w in gpt2_train:16 resnet50_train:16 llama_decode:8; do
+            d="$OUT/single/${w%%:*}-$r"
+            python3 scripts/lockstep_steps.py --workloads "${w%%:*}" --steps "${w##*:}" \
+                --cpus 4-7 --pairs "$PAIRS" --repeat 1 --out "$d" >> "$OUT/single.log" 2>&1 || rc=1
+            cat "$d/lockstep.jsonl" >> "$OUT/single/lockstep.jsonl" 2>/dev/null
+        done
+    done
+fi
+for p in pipeline server varlen single; do
     if [[ -f "$OUT/$p/lockstep.jsonl" ]]; then
         echo "== $p"
         python3 scripts/lockstep_steps.py --pool "$OUT/$p/lockstep.jsonl"
