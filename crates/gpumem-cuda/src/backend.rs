@@ -81,7 +81,7 @@ pub struct CudaBackend {
     handles: FxHashMap<u64, (u64, u32)>,
     /// Mapped ranges: start -> (bytes, handle).
     mappings: BTreeMap<DevPtr, (u64, u64)>,
-    reservations: FxHashMap<DevPtr, u64>,
+    reservations: BTreeMap<DevPtr, u64>,
     /// Events ready for reuse, and events handed out (`CUevent`s as integers).
     idle_events: Vec<u64>,
     live_events: FxHashSet<u64>,
@@ -175,7 +175,7 @@ impl CudaBackend {
             segments: FxHashMap::default(),
             handles: FxHashMap::default(),
             mappings: BTreeMap::new(),
-            reservations: FxHashMap::default(),
+            reservations: BTreeMap::new(),
             idle_events: Vec::new(),
             live_events: FxHashSet::default(),
             aliases: Vec::new(),
@@ -251,6 +251,20 @@ impl CudaBackend {
         sys::CUmemAccessDesc {
             location: self.prop.location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        }
+    }
+
+    /// Checks that `[va, va + bytes)` lies inside one range this backend reserved, so that a
+    /// map, unmap or access call can only touch this backend's own address space (never
+    /// another library's mappings in the same context).
+    fn own_range(&self, call: DriverCall, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        if inside_reservation(&self.reservations, va, bytes) {
+            Ok(())
+        } else {
+            Err(BackendError::new(
+                call,
+                format!("{va:#x}+{bytes} is not inside a range reserved by this backend"),
+            ))
         }
     }
 
@@ -344,6 +358,17 @@ impl CudaBackend {
 
 /// A new event of the current context (a `CUevent` as an integer), timing off, which makes
 /// events cheaper.
+/// Whether `[va, va + bytes)` (non-empty) lies inside one of `reservations` (start -> length).
+fn inside_reservation(reservations: &BTreeMap<DevPtr, u64>, va: DevPtr, bytes: u64) -> bool {
+    let Some(end) = va.checked_add(bytes).filter(|_| bytes > 0) else {
+        return false;
+    };
+    reservations
+        .range(..=va)
+        .next_back()
+        .is_some_and(|(&start, &len)| end <= start.saturating_add(len))
+}
+
 fn new_event() -> Result<u64, BackendError> {
     let mut e: sys::CUevent = std::ptr::null_mut();
     // SAFETY: `e` is a valid place for the new event; callers bind the context first.
@@ -513,6 +538,7 @@ impl Backend for CudaBackend {
     }
 
     fn mem_map(&mut self, va: DevPtr, bytes: u64, handle: PhysHandle) -> Result<(), BackendError> {
+        self.own_range(DriverCall::MemMap, va, bytes)?;
         match self.handles.get(&handle.0) {
             Some(&(b, _)) if b == bytes => {}
             Some(&(b, _)) => {
@@ -529,8 +555,8 @@ impl Backend for CudaBackend {
             }
         }
         let _ctx = self.bind()?;
-        // SAFETY: a live handle of exactly `bytes`; the driver checks that `va` lies in a
-        // reserved range and is not mapped already.
+        // SAFETY: a live handle of exactly `bytes`, mapped inside a range this backend reserved
+        // (checked above); the driver checks that the range is not mapped already.
         check(DriverCall::MemMap, unsafe {
             sys::cuMemMap(va, bytes as usize, 0, handle.0, 0)
         })?;
@@ -542,9 +568,11 @@ impl Backend for CudaBackend {
     }
 
     fn mem_unmap(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.own_range(DriverCall::MemUnmap, va, bytes)?;
         let _ctx = self.bind()?;
-        // SAFETY: the driver checks that the range consists of whole mappings; the engine
-        // waits for the streams that used it before asking (as PyTorch does).
+        // SAFETY: a range inside one this backend reserved (checked above), so no one else's
+        // mapping; the driver checks that it consists of whole mappings. The engine waits for
+        // the streams that used it before asking (as PyTorch does).
         check(DriverCall::MemUnmap, unsafe {
             sys::cuMemUnmap(va, bytes as usize)
         })?;
@@ -564,10 +592,12 @@ impl Backend for CudaBackend {
     }
 
     fn set_access(&mut self, va: DevPtr, bytes: u64) -> Result<(), BackendError> {
+        self.own_range(DriverCall::SetAccess, va, bytes)?;
         let _ctx = self.bind()?;
         let desc = self.access_desc();
-        // SAFETY: `desc` is one valid descriptor (read/write for this device); the driver
-        // checks that the range is mapped.
+        // SAFETY: `desc` is one valid descriptor (read/write for this device); the range lies
+        // inside one this backend reserved (checked above); the driver checks that it is
+        // mapped.
         check(DriverCall::SetAccess, unsafe {
             sys::cuMemSetAccess(va, bytes as usize, &desc, 1)
         })
@@ -653,5 +683,32 @@ impl Drop for CudaBackend {
                 errors.join("; ")
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ranges_inside_one_reservation_are_this_backends_own() {
+        const MB2: u64 = 2 << 20;
+        let mut r = BTreeMap::new();
+        r.insert(0x1000_0000, 8 * MB2);
+        r.insert(0x2000_0000, 2 * MB2);
+        // Inside: the whole reservation, its first and last pages.
+        assert!(inside_reservation(&r, 0x1000_0000, 8 * MB2));
+        assert!(inside_reservation(&r, 0x1000_0000, MB2));
+        assert!(inside_reservation(&r, 0x1000_0000 + 7 * MB2, MB2));
+        assert!(inside_reservation(&r, 0x2000_0000, 2 * MB2));
+        // Outside: past the end, before the first, in the gap, across two reservations.
+        assert!(!inside_reservation(&r, 0x1000_0000 + 7 * MB2, 2 * MB2));
+        assert!(!inside_reservation(&r, 0x0fe0_0000, MB2));
+        assert!(!inside_reservation(&r, 0x1800_0000, MB2));
+        assert!(!inside_reservation(&r, 0x1000_0000, 0x1000_0000 + 2 * MB2));
+        // Empty and overflowing ranges are never inside.
+        assert!(!inside_reservation(&r, 0x1000_0000, 0));
+        assert!(!inside_reservation(&r, u64::MAX - 10, MB2));
+        assert!(!inside_reservation(&BTreeMap::new(), 0x1000_0000, MB2));
     }
 }

@@ -40,11 +40,61 @@
 //! unwinds through [`gpumem_torch_alloc`] (declared `extern "C-unwind"` for that reason) into
 //! PyTorch. The free function runs inside PyTorch's deleters, where an exception would end the
 //! process, so it reports misuse on stderr and in counters instead.
+//!
+//! A panic caught in a call that changes gpumem's state (an allocation, a free, a stream
+//! record, a private-pool call) may have left a pool half-updated, a block both on a free list
+//! and handed out say. So it poisons the allocator for the process: later allocations and pool
+//! calls fail with an error that says so, and later frees are ignored (their memory leaks),
+//! rather than hand out memory that may already be in use.
 
 use crate::registry::{device_index, global, warn, FreeOutcome, PoolOp, TorchError};
 use gpumem_core::backend::DevPtr;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set by the first panic caught inside a call that changes gpumem's state (module docs).
+static POISONED: AtomicBool = AtomicBool::new(false);
+
+/// Why a poisoned allocator refuses a request.
+const POISONED_MESSAGE: &str = "gpumem: an earlier internal error (a panic, reported above on \
+     stderr) may have left the allocator's state inconsistent, so it serves no more requests in \
+     this process; please report it";
+
+/// Runs `f`, which changes gpumem's state, unless `poison` is set; a panic inside `f` sets
+/// `poison` and comes back as an error naming `what` (a poisoned allocator's error otherwise).
+fn guarded<T>(
+    poison: &AtomicBool,
+    what: impl FnOnce() -> String,
+    f: impl FnOnce() -> Result<T, TorchError>,
+) -> Result<T, TorchError> {
+    if poison.load(Ordering::Relaxed) {
+        return Err(TorchError::Other(POISONED_MESSAGE.into()));
+    }
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        poison.store(true, Ordering::Relaxed);
+        Err(TorchError::Other(format!(
+            "gpumem: internal error (a panic) {}; gpumem serves no more requests in this \
+             process, as its state may be inconsistent; please report it",
+            what()
+        )))
+    })
+}
+
+/// A free or stream record, which cannot fail visibly: `f` under [`guarded`], the error (a
+/// panic, or a poisoned allocator, reported once) on stderr. A poisoned allocator ignores it.
+fn guarded_quietly(what: impl FnOnce() -> String, f: impl FnOnce()) {
+    static TOLD: AtomicBool = AtomicBool::new(false);
+    let poisoned_before = POISONED.load(Ordering::Relaxed);
+    if let Err(e) = guarded(&POISONED, what, || {
+        f();
+        Ok(())
+    }) {
+        if !poisoned_before || !TOLD.swap(true, Ordering::Relaxed) {
+            warn(format_args!("{}", e.message()));
+        }
+    }
+}
 
 /// Error kinds understood by `gpumem_shim_throw`.
 const KIND_OUT_OF_MEMORY: c_int = 1;
@@ -235,15 +285,12 @@ fn served_or_thrown<T>(
     device: c_int,
     allocate: impl FnOnce() -> Result<T, TorchError>,
 ) -> T {
-    let err = match catch_unwind(AssertUnwindSafe(allocate)) {
-        Ok(Ok(served)) => return served,
-        Ok(Err(e)) => e,
-        Err(_) => TorchError::Other(format!(
-            "gpumem: internal error (a panic) while allocating {size} bytes on device {device}; \
-             please report it"
-        )),
-    };
-    throw(err)
+    guarded(
+        &POISONED,
+        || format!("while allocating {size} bytes on device {device}"),
+        allocate,
+    )
+    .unwrap_or_else(|e| throw(e))
 }
 
 /// PyTorch's free hook. `size` is what was asked for and `stream` the stream of the
@@ -255,17 +302,15 @@ pub extern "C" fn gpumem_torch_free(
     device: c_int,
     stream: *mut c_void,
 ) {
-    let r = catch_unwind(AssertUnwindSafe(|| {
-        report_free(
-            ptr,
-            global().free_located(ptr as u64, device, stream as u64),
-        )
-    }));
-    if r.is_err() {
-        warn(format_args!(
-            "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
-        ));
-    }
+    guarded_quietly(
+        || format!("while freeing {ptr:p}"),
+        || {
+            report_free(
+                ptr,
+                global().free_located(ptr as u64, device, stream as u64),
+            )
+        },
+    );
 }
 
 /// Frees `ptr` wherever gpumem allocated it: the native allocator's `raw_delete` and
@@ -273,14 +318,10 @@ pub extern "C" fn gpumem_torch_free(
 /// Never throws; misuse is counted and reported once, as in [`gpumem_torch_free`].
 #[no_mangle]
 pub extern "C" fn gpumem_torch_free_any(ptr: *mut c_void) {
-    let r = catch_unwind(AssertUnwindSafe(|| {
-        report_free(ptr, global().free_any_located(ptr as u64))
-    }));
-    if r.is_err() {
-        warn(format_args!(
-            "gpumem: internal error (a panic) while freeing {ptr:p}; please report it"
-        ));
-    }
+    guarded_quietly(
+        || format!("while freeing {ptr:p}"),
+        || report_free(ptr, global().free_any_located(ptr as u64)),
+    );
 }
 
 /// The largest allocation `device` can serve now without running out of memory: the native
@@ -303,14 +344,12 @@ pub extern "C" fn gpumem_torch_cache_info(device: c_int) -> usize {
 /// `stream` at the time it is freed has completed.
 #[no_mangle]
 pub extern "C" fn gpumem_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    let r = catch_unwind(AssertUnwindSafe(|| {
-        global().record_stream(ptr as u64, stream as u64)
-    }));
-    if r.is_err() {
-        warn(format_args!(
-            "gpumem: internal error (a panic) in record_stream of {ptr:p}; please report it"
-        ));
-    }
+    guarded_quietly(
+        || format!("in record_stream of {ptr:p}"),
+        || {
+            global().record_stream(ptr as u64, stream as u64);
+        },
+    );
 }
 
 /// `torch.cuda.empty_cache()`: every device returns the memory no tensor uses.
@@ -460,10 +499,10 @@ pub extern "C" fn gpumem_torch_memory_fraction(device: c_int) -> f64 {
 /// (`torch._C._cuda_attach_out_of_memory_observer`) of `device` after a failed allocation:
 /// writes the most gpumem may hold there (its cap, or the device's total bytes) and the
 /// device's free bytes to `out`. Returns 0, or 1 (nothing written) for a device index that
-/// cannot be one or where gpumem never allocated.
+/// cannot be one, where gpumem never allocated, or a null `out`.
 ///
 /// # Safety
-/// `out` must be valid for writes of two `uint64_t`s.
+/// `out` must be null or valid for writes of two `uint64_t`s.
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_torch_limit_and_free(device: c_int, out: *mut u64) -> c_int {
     let figures = device_index(device)
@@ -472,7 +511,10 @@ pub unsafe extern "C" fn gpumem_torch_limit_and_free(device: c_int, out: *mut u6
     let Some((limit, free)) = figures else {
         return 1;
     };
-    // SAFETY: the caller guarantees `out` is valid for two writes.
+    if out.is_null() {
+        return 1;
+    }
+    // SAFETY: `out` is not null, and the caller guarantees it is valid for two writes.
     unsafe { std::ptr::copy_nonoverlapping([limit, free].as_ptr(), out, 2) };
     0
 }
@@ -498,54 +540,70 @@ pub extern "C" fn gpumem_torch_pool_hook_address(which: c_int) -> usize {
 
 /// A CUDA graph capture begins filling private pool (`first`, `second`) on `device`. Returns
 /// 0, or 1 with the reason in `err` (NUL-terminated, cut to `err_len`), which the shim throws.
+///
+/// # Safety
+/// `err` is null or valid for `err_len` writes (as for every private-pool function below).
 #[no_mangle]
-pub extern "C" fn gpumem_torch_pool_begin(
+pub unsafe extern "C" fn gpumem_torch_pool_begin(
     device: c_int,
     first: u64,
     second: u64,
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, PoolOp::Begin, (first, second), err, err_len)
+    // SAFETY: the caller's promise on `err`, passed on.
+    unsafe { pool_call(device, PoolOp::Begin, (first, second), err, err_len) }
 }
 
 /// A `torch.cuda.MemPool` takes pool (`first`, `second`) on `device`, made on first use
 /// (c10's `createOrIncrefPool`). As [`gpumem_torch_pool_begin`].
+///
+/// # Safety
+/// As [`gpumem_torch_pool_begin`].
 #[no_mangle]
-pub extern "C" fn gpumem_torch_pool_retain(
+pub unsafe extern "C" fn gpumem_torch_pool_retain(
     device: c_int,
     first: u64,
     second: u64,
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, PoolOp::Retain, (first, second), err, err_len)
+    // SAFETY: the caller's promise on `err`, passed on.
+    unsafe { pool_call(device, PoolOp::Retain, (first, second), err, err_len) }
 }
 
 /// The capture filling pool (`first`, `second`) on `device` ended. As
 /// [`gpumem_torch_pool_begin`].
+///
+/// # Safety
+/// As [`gpumem_torch_pool_begin`].
 #[no_mangle]
-pub extern "C" fn gpumem_torch_pool_end(
+pub unsafe extern "C" fn gpumem_torch_pool_end(
     device: c_int,
     first: u64,
     second: u64,
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, PoolOp::End, (first, second), err, err_len)
+    // SAFETY: the caller's promise on `err`, passed on.
+    unsafe { pool_call(device, PoolOp::End, (first, second), err, err_len) }
 }
 
 /// A graph using pool (`first`, `second`) on `device` was destroyed. As
 /// [`gpumem_torch_pool_begin`].
+///
+/// # Safety
+/// As [`gpumem_torch_pool_begin`].
 #[no_mangle]
-pub extern "C" fn gpumem_torch_pool_release(
+pub unsafe extern "C" fn gpumem_torch_pool_release(
     device: c_int,
     first: u64,
     second: u64,
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    pool_call(device, PoolOp::Release, (first, second), err, err_len)
+    // SAFETY: the caller's promise on `err`, passed on.
+    unsafe { pool_call(device, PoolOp::Release, (first, second), err, err_len) }
 }
 
 /// Users of pool (`first`, `second`) on `device`: the graphs captured into it and not yet
@@ -565,41 +623,70 @@ struct TorchCheckpoint {
     checkpoint: gpumem_core::PoolCheckpoint,
 }
 
+/// The addresses of the checkpoint handles given out and not yet freed, so that a handle C++
+/// did not get from gpumem, or freed already, is refused instead of read.
+static LIVE_CHECKPOINTS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+/// [`LIVE_CHECKPOINTS`], locked (a panic while it was held left it whole: each change is one
+/// push or one swap_remove).
+fn live_checkpoints() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    LIVE_CHECKPOINTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// c10's `getCheckpointState`: the blocks of private pool (`first`, `second`) on `device` now,
 /// as an owned handle for [`gpumem_torch_pool_restore`], to be freed with
 /// [`gpumem_torch_pool_checkpoint_free`]. Null on failure, with the reason in `err`.
+///
+/// # Safety
+/// As [`gpumem_torch_pool_begin`].
 #[no_mangle]
-pub extern "C" fn gpumem_torch_pool_checkpoint(
+pub unsafe extern "C" fn gpumem_torch_pool_checkpoint(
     device: c_int,
     first: u64,
     second: u64,
     err: *mut c_char,
     err_len: usize,
 ) -> *mut c_void {
-    pool_entry(device, "a checkpoint", err, err_len, |d| {
-        global()
-            .pool_checkpoint(d, (first, second))
-            .map(|checkpoint| TorchCheckpoint {
-                device: d,
-                checkpoint,
-            })
-    })
-    .map_or(std::ptr::null_mut(), |cp| {
-        Box::into_raw(Box::new(cp)).cast()
+    // SAFETY: the caller's promise on `err`, passed on.
+    let taken = unsafe {
+        pool_entry(device, "a checkpoint", err, err_len, |d| {
+            global()
+                .pool_checkpoint(d, (first, second))
+                .map(|checkpoint| TorchCheckpoint {
+                    device: d,
+                    checkpoint,
+                })
+        })
+    };
+    taken.map_or(std::ptr::null_mut(), |cp| {
+        let handle = Box::into_raw(Box::new(cp));
+        live_checkpoints().push(handle as usize);
+        handle.cast()
     })
 }
 
-/// Frees a handle of [`gpumem_torch_pool_checkpoint`] (null: nothing).
-///
-/// # Safety
-/// `checkpoint` is null or a handle of [`gpumem_torch_pool_checkpoint`] not freed before.
+/// Frees a handle of [`gpumem_torch_pool_checkpoint`] (null: nothing). A handle that is not a
+/// live one (never given out, or freed already) is left alone and reported on stderr.
 #[no_mangle]
-pub unsafe extern "C" fn gpumem_torch_pool_checkpoint_free(checkpoint: *mut c_void) {
-    if !checkpoint.is_null() {
-        // SAFETY: the caller passes a handle made by `Box::into_raw` in
-        // gpumem_torch_pool_checkpoint, once.
-        drop(unsafe { Box::from_raw(checkpoint.cast::<TorchCheckpoint>()) });
+pub extern "C" fn gpumem_torch_pool_checkpoint_free(checkpoint: *mut c_void) {
+    if checkpoint.is_null() {
+        return;
     }
+    let mut live = live_checkpoints();
+    let Some(i) = live.iter().position(|&h| h == checkpoint as usize) else {
+        warn(format_args!(
+            "gpumem: getCheckpointState's handle {checkpoint:p} freed, but it is not a live \
+             handle of gpumem (freed twice, or never given out); ignored"
+        ));
+        return;
+    };
+    live.swap_remove(i);
+    // SAFETY: a live handle (checked above): made by `Box::into_raw` in
+    // gpumem_torch_pool_checkpoint and not freed since; it left the live list under its lock,
+    // so no other call frees it again.
+    drop(unsafe { Box::from_raw(checkpoint.cast::<TorchCheckpoint>()) });
 }
 
 /// Told of one block of a restore: the caller's context and the block's address. Must not
@@ -609,40 +696,56 @@ pub type RestoreBlockFn = unsafe extern "C" fn(ctx: *mut c_void, ptr: u64);
 /// c10's `setCheckpointPoolState`: sets the private pool of `checkpoint` on `device` back to
 /// it, then calls `freed` for each block that was allocated and is now free, and `allocated`
 /// for each block of the checkpoint allocated again (to be freed as usual). Returns 0, or 1
-/// with the reason in `err` and no call made.
+/// with the reason in `err` and no call made (among the reasons: a handle that is not a live
+/// one, a null function).
 ///
 /// # Safety
-/// `checkpoint` is a live handle of [`gpumem_torch_pool_checkpoint`]; the two functions may be
-/// called with `ctx`.
+/// `err` as for [`gpumem_torch_pool_begin`]; the two functions, where not null, may be called
+/// with `ctx`; `checkpoint` must not be freed while this call runs.
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_torch_pool_restore(
     device: c_int,
     checkpoint: *const c_void,
     ctx: *mut c_void,
-    freed: RestoreBlockFn,
-    allocated: RestoreBlockFn,
+    freed: Option<RestoreBlockFn>,
+    allocated: Option<RestoreBlockFn>,
     err: *mut c_char,
     err_len: usize,
 ) -> c_int {
-    // SAFETY: the caller passes a live handle of gpumem_torch_pool_checkpoint (or null).
-    let cp = unsafe { checkpoint.cast::<TorchCheckpoint>().as_ref() };
-    let restored = pool_entry(
-        device,
-        "a checkpoint's restore",
-        err,
-        err_len,
-        |d| match cp {
-            None => Err(TorchError::Other(
+    let live = live_checkpoints().contains(&(checkpoint as usize));
+    let restore = |d| {
+        let (Some(freed), Some(allocated)) = (freed, allocated) else {
+            return Err(TorchError::Other(
+                "gpumem: setCheckpointPoolState was given a null function".into(),
+            ));
+        };
+        if checkpoint.is_null() {
+            return Err(TorchError::Other(
                 "gpumem: setCheckpointPoolState was given no checkpoint".into(),
-            )),
-            Some(cp) if d != cp.device => Err(TorchError::Other(format!(
+            ));
+        }
+        if !live {
+            return Err(TorchError::Other(format!(
+                "gpumem: setCheckpointPoolState was given {checkpoint:p}, which is not a \
+                 live checkpoint of gpumem (freed, or never given out)"
+            )));
+        }
+        // SAFETY: a live handle of gpumem_torch_pool_checkpoint (checked above), which the
+        // caller does not free while this call runs.
+        let cp = unsafe { &*checkpoint.cast::<TorchCheckpoint>() };
+        if d != cp.device {
+            return Err(TorchError::Other(format!(
                 "gpumem: a checkpoint of device {} cannot be restored on device {d}",
                 cp.device
-            ))),
-            Some(cp) => global().pool_restore(d, &cp.checkpoint),
-        },
-    );
-    let Some(done) = restored else {
+            )));
+        }
+        global()
+            .pool_restore(d, &cp.checkpoint)
+            .map(|done| (done, freed, allocated))
+    };
+    // SAFETY: the caller's promise on `err`, passed on.
+    let restored = unsafe { pool_entry(device, "a checkpoint's restore", err, err_len, restore) };
+    let Some((done, freed, allocated)) = restored else {
         return 1;
     };
     for &p in &done.freed {
@@ -659,10 +762,11 @@ pub unsafe extern "C" fn gpumem_torch_pool_restore(
 /// c10's `checkPoolLiveAllocations` (CUDA graph trees check their pool with it after every
 /// recording and restore): writes the addresses of the blocks allocated in private pool
 /// (`first`, `second`) on `device`, at most `cap` of them, to `out`, and returns how many
-/// there are; -1 on failure, with the reason in `err`.
+/// there are; -1 on failure (a null `out` with `cap` above 0 among them), with the reason in
+/// `err`.
 ///
 /// # Safety
-/// `out` is valid for `cap` writes (or `cap` is 0).
+/// `out` is valid for `cap` writes (or `cap` is 0); `err` as for [`gpumem_torch_pool_begin`].
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_torch_pool_live_blocks(
     device: c_int,
@@ -673,22 +777,42 @@ pub unsafe extern "C" fn gpumem_torch_pool_live_blocks(
     err: *mut c_char,
     err_len: usize,
 ) -> i64 {
-    let Some(cp) = pool_entry(device, "a pool's live blocks", err, err_len, |d| {
-        global().pool_checkpoint(d, (first, second))
+    // SAFETY: the caller's promise on `err`, passed on.
+    let Some(cp) = (unsafe {
+        pool_entry(device, "a pool's live blocks", err, err_len, |d| {
+            if out.is_null() && cap > 0 {
+                return Err(TorchError::Other(format!(
+                    "gpumem: checkPoolLiveAllocations was given no room for its {cap} addresses"
+                )));
+            }
+            global().pool_checkpoint(d, (first, second))
+        })
     }) else {
         return -1;
     };
     for (i, b) in cp.blocks.iter().take(cap).enumerate() {
-        // SAFETY: i < cap, and the caller guarantees `out` holds `cap` values.
+        // SAFETY: i < cap, `out` is not null when cap > 0 (checked above), and the caller
+        // guarantees it holds `cap` values.
         unsafe { *out.add(i) = b.addr };
     }
     i64::try_from(cp.blocks.len()).unwrap_or(i64::MAX)
 }
 
-fn pool_call(device: c_int, op: PoolOp, id: (u64, u64), err: *mut c_char, err_len: usize) -> c_int {
-    let done = pool_entry(device, "a private-pool call", err, err_len, |d| {
-        global().pool(d, op, id)
-    });
+/// # Safety
+/// `err` is null or valid for `err_len` writes.
+unsafe fn pool_call(
+    device: c_int,
+    op: PoolOp,
+    id: (u64, u64),
+    err: *mut c_char,
+    err_len: usize,
+) -> c_int {
+    // SAFETY: the caller's promise on `err`, passed on.
+    let done = unsafe {
+        pool_entry(device, "a private-pool call", err, err_len, |d| {
+            global().pool(d, op, id)
+        })
+    };
     if done.is_some() {
         0
     } else {
@@ -697,33 +821,35 @@ fn pool_call(device: c_int, op: PoolOp, id: (u64, u64), err: *mut c_char, err_le
 }
 
 /// The body of an exported private-pool function: `f` on the registry's index of `device`,
-/// a panic inside it turned into an error. On error, `None`, with the message copied into
-/// `err` (room for `err_len` bytes) for the C++ caller to throw.
-fn pool_entry<T>(
+/// under [`guarded`] (a panic inside it turned into an error, which poisons the allocator). On
+/// error, `None`, with the message copied into `err` (room for `err_len` bytes) for the C++
+/// caller to throw.
+///
+/// # Safety
+/// `err` is null or valid for `err_len` writes.
+unsafe fn pool_entry<T>(
     device: c_int,
     what: &str,
     err: *mut c_char,
     err_len: usize,
     f: impl FnOnce(usize) -> Result<T, TorchError>,
 ) -> Option<T> {
-    let r = device_index(device).and_then(|d| {
-        catch_unwind(AssertUnwindSafe(|| f(d))).unwrap_or_else(|_| {
-            Err(TorchError::Other(format!(
-                "gpumem: internal error (a panic) in {what}; please report it"
-            )))
-        })
-    });
-    r.map_err(|e| write_c_string(e.message(), err, err_len))
+    let r = device_index(device).and_then(|d| guarded(&POISONED, || format!("in {what}"), || f(d)));
+    // SAFETY: the caller's promise on `err`, passed on.
+    r.map_err(|e| unsafe { write_c_string(e.message(), err, err_len) })
         .ok()
 }
 
 /// Copies `text` into `out` (room for `len` bytes), cut to fit and NUL-terminated.
-fn write_c_string(text: &str, out: *mut c_char, len: usize) {
+///
+/// # Safety
+/// `out` is null or valid for `len` writes.
+unsafe fn write_c_string(text: &str, out: *mut c_char, len: usize) {
     if out.is_null() || len == 0 {
         return;
     }
     let n = text.len().min(len - 1);
-    // SAFETY: the caller guarantees `out` is valid for `len` writes; n + 1 <= len.
+    // SAFETY: `out` is not null and valid for `len` writes (the caller's promise); n + 1 <= len.
     unsafe {
         std::ptr::copy_nonoverlapping(text.as_ptr(), out.cast::<u8>(), n);
         *out.add(n) = 0;
@@ -985,16 +1111,152 @@ mod tests {
             assert_ne!(gpumem_torch_pool_hook_address(which), 0);
         }
         assert_eq!(gpumem_torch_pool_hook_address(3), 0);
-        let mut err = [0 as c_char; 64];
-        assert_eq!(
-            gpumem_torch_pool_begin(-1, 1, 0, err.as_mut_ptr(), err.len()),
-            1
-        );
-        // SAFETY: the function wrote a NUL-terminated message into `err`.
-        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        assert!(msg.to_string_lossy().contains("device"), "{msg:?}");
+        let mut err = [0 as c_char; 160];
+        let text = |err: &[c_char]| {
+            // SAFETY: the functions write a NUL-terminated message into `err` (it starts zeroed
+            // and they never write its last byte but as the terminator).
+            unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        // SAFETY: `err` is valid for `err.len()` writes.
+        let rc = unsafe { gpumem_torch_pool_begin(-1, 1, 0, err.as_mut_ptr(), err.len()) };
+        assert_eq!(rc, 1);
+        assert!(text(&err).contains("device"), "{}", text(&err));
         assert_eq!(gpumem_torch_pool_use_count(-1, 1, 0), 0);
         assert!(!oom_is_c10());
         assert!(bind_c10("/nonexistent/libc10.so", "/nonexistent/libc10_cuda.so").is_err());
+
+        // Bad pointers from C are refused with an error, never written through or read.
+        // SAFETY: a null `out` is what is checked; nothing is written.
+        assert_eq!(
+            unsafe { gpumem_torch_limit_and_free(0, std::ptr::null_mut()) },
+            1
+        );
+        err.fill(0);
+        // SAFETY: `err` as above; `out` is null with a capacity of 4, which must be refused.
+        let n = unsafe {
+            gpumem_torch_pool_live_blocks(
+                0,
+                1,
+                0,
+                std::ptr::null_mut(),
+                4,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        assert_eq!(n, -1);
+        assert!(text(&err).contains("no room"), "{}", text(&err));
+        unsafe extern "C" fn told(ctx: *mut c_void, _ptr: u64) {
+            // SAFETY: the test passes a pointer to its AtomicU64 as `ctx`.
+            unsafe { &*ctx.cast::<std::sync::atomic::AtomicU64>() }
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let calls = std::sync::atomic::AtomicU64::new(0);
+        let ctx = &calls as *const _ as *mut c_void;
+        let bogus = 0x5000 as *const c_void;
+        err.fill(0);
+        // SAFETY: `err` as above; the handle is not a live one, which must be refused before
+        // it is read, and `told` may be called with `ctx`.
+        let rc = unsafe {
+            gpumem_torch_pool_restore(
+                0,
+                bogus,
+                ctx,
+                Some(told),
+                Some(told),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        assert_eq!(rc, 1);
+        assert!(
+            text(&err).contains("not a live checkpoint"),
+            "{}",
+            text(&err)
+        );
+        err.fill(0);
+        // SAFETY: as above, with a null function, which must be refused.
+        let rc = unsafe {
+            gpumem_torch_pool_restore(0, bogus, ctx, None, Some(told), err.as_mut_ptr(), err.len())
+        };
+        assert_eq!(rc, 1);
+        assert!(text(&err).contains("null function"), "{}", text(&err));
+        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // Freeing a handle gpumem never gave out is reported and ignored.
+        gpumem_torch_pool_checkpoint_free(bogus as *mut c_void);
+
+        // A poisoned allocator (as after a panic inside it) serves nothing more and ignores
+        // frees, which leak, instead of touching a state that may be inconsistent.
+        let live = gpumem_torch_alloc(MIB as usize, 0, std::ptr::null_mut());
+        assert!(!live.is_null());
+        let allocated = global().memory_stats(0).allocated_bytes.all.current;
+        POISONED.store(true, Ordering::Relaxed);
+        match call_alloc_from_cpp(MIB as usize, 0, 0) {
+            CallOutcome::Threw { type_name, what } => {
+                assert_eq!(type_name, "gpumem::Error");
+                assert!(what.contains("serves no more requests"), "{what}");
+            }
+            other => panic!("expected an exception, got {other:?}"),
+        }
+        gpumem_torch_free(live, MIB as usize, 0, std::ptr::null_mut());
+        gpumem_torch_free_any(live);
+        assert_eq!(
+            global().memory_stats(0).allocated_bytes.all.current,
+            allocated
+        );
+        err.fill(0);
+        // SAFETY: `err` as above.
+        let rc = unsafe { gpumem_torch_pool_begin(0, 1, 0, err.as_mut_ptr(), err.len()) };
+        assert_eq!(rc, 1);
+        assert!(
+            text(&err).contains("serves no more requests"),
+            "{}",
+            text(&err)
+        );
+        POISONED.store(false, Ordering::Relaxed);
+        gpumem_torch_free(live, MIB as usize, 0, std::ptr::null_mut());
+        assert_eq!(
+            global().memory_stats(0).allocated_bytes.all.current,
+            allocated - MIB as i64
+        );
+    }
+
+    #[test]
+    fn a_panic_inside_gpumem_poisons_it_and_later_calls_are_refused() {
+        // A flag of the test's own, so that the process-wide one stays clear.
+        let poison = AtomicBool::new(false);
+        let served = guarded(&poison, || "in a test".into(), || Ok::<_, TorchError>(7));
+        assert!(matches!(served, Ok(7)));
+        // (The panic's message shows in this test's captured output.)
+        let failed = guarded(
+            &poison,
+            || "in a test".into(),
+            || -> Result<u32, _> { panic!("a broken invariant") },
+        );
+        let Err(e) = failed else {
+            panic!("a panic must come back as an error")
+        };
+        assert!(
+            e.message().contains("internal error (a panic) in a test"),
+            "{}",
+            e.message()
+        );
+        assert!(poison.load(Ordering::Relaxed));
+        let ran = std::cell::Cell::new(false);
+        let refused = guarded(
+            &poison,
+            || "in a test".into(),
+            || {
+                ran.set(true);
+                Ok::<_, TorchError>(1)
+            },
+        );
+        assert!(!ran.get(), "a poisoned allocator runs nothing");
+        let Err(e) = refused else {
+            panic!("a poisoned allocator refuses")
+        };
+        assert_eq!(e.message(), POISONED_MESSAGE);
     }
 }
