@@ -97,10 +97,42 @@ pub(crate) fn parse_policy(s: &str) -> Result<PolicyKind, String> {
     })
 }
 
+/// The policies to replay: `-p`'s, or the one `--conf` names with `policy:` (each run sets
+/// its own policy, so a `policy:` beside `-p` would be silently overruled: refused instead).
+fn policies_of(given: &[PolicyKind], conf: &str) -> Result<Vec<PolicyKind>, String> {
+    let named = conf
+        .split(',')
+        .any(|kv| kv.split(':').next().map(str::trim) == Some("policy"));
+    if !named {
+        return Ok(given.to_vec());
+    }
+    let from_conf = Config::parse(conf).map_err(|e| e.to_string())?.policy;
+    match given {
+        [] => Ok(vec![from_conf]),
+        [p] if *p == from_conf => Ok(given.to_vec()),
+        _ => Err(format!(
+            "--conf names policy:{} and -p names {}: give the policies with -p only",
+            from_conf.name(),
+            given
+                .iter()
+                .map(|p| p.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+/// The largest simulated device: 4 TiB, over ten times today's largest GPU, and small
+/// enough that the policies' per-page tables of it stay in tens of MiB.
+const MAX_SIM_DEVICE: u64 = 4 << 40;
+
 fn parse_bytes(s: &str) -> Result<u64, String> {
     match parse_size(s) {
         // Less than one 2 MiB page could hold nothing.
-        Some(b) if b >= 2 << 20 => Ok(b),
+        Some(b) if (2 << 20..=MAX_SIM_DEVICE).contains(&b) => Ok(b),
+        Some(b) if b > MAX_SIM_DEVICE => Err(format!(
+            "'{s}' is more than the 4 TiB gpumem simulates (the largest GPUs hold under 300 GB)"
+        )),
         Some(_) => Err(format!("'{s}' is smaller than one 2 MiB page")),
         None => Err(format!("'{s}' is not a size (e.g. 80GiB)")),
     }
@@ -188,21 +220,22 @@ pub fn run(a: ReplayArgs) -> Result<(), String> {
     if let Some(p) = &a.snapshot {
         crate::out::check_writable(p, "--snapshot")?;
     }
+    let chosen = policies_of(&a.policies, &a.conf)?;
     let trace = load(&a.trace, a.device_index, a.json)?;
     if a.device == Target::Cuda {
         return gpumem_cuda::replay::run_cli(
             &trace,
-            &a.policies,
+            &chosen,
             &a.conf,
             a.json,
             &mut |s| crate::out::print(s),
             &mut |s| crate::out::eprintln(s),
         );
     }
-    let policies = if a.policies.is_empty() {
+    let policies = if chosen.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
-        a.policies.clone()
+        chosen
     };
     let mut opts = ReplayOptions {
         config: Config::parse(&a.conf).map_err(|e| e.to_string())?,

@@ -318,6 +318,40 @@ fn absurd_arguments_are_refused_before_any_work() {
     assert!(!out.status.success());
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("smaller than one 2 MiB page"), "{e}");
+    // A device of 1,024 TiB once made the expandable policy ask for 8 GiB of page table.
+    let out = gpumem()
+        .args(["replay", "--device-memory", "1024TiB"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("more than the 4 TiB gpumem simulates"), "{e}");
+    // A policy named in --conf is the one replayed, and one that -p contradicts is refused
+    // (each run sets its own policy, so it was silently dropped).
+    let out = gpumem()
+        .args(["replay", "--conf", "policy:buddy", "-p", "caching"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("--conf names policy:buddy and -p names caching"),
+        "{e}"
+    );
+    let out = gpumem()
+        .args(["replay", "--json", "--conf", "policy:buddy"])
+        .arg(&t)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["policy"], "buddy", "one policy's result: {v}");
     // More threads than an allocator has streams: refused at once, not 100,000 threads spawned.
     let t0 = Instant::now();
     let out = gpumem()

@@ -321,6 +321,32 @@ fn crafted_pickles_are_errors_not_panics_or_blowups() {
     }
     deep.push(b'.');
     assert!(read(gz(&deep)).is_err());
+    // Lists nested 100,000 deep (200 KB): dropping them once overflowed the stack.
+    let mut nested = b"\x80\x04".to_vec();
+    nested.extend(std::iter::repeat_n(b']', 100_000));
+    nested.extend(std::iter::repeat_n(b'a', 99_999));
+    nested.push(b'.');
+    let e = read(nested).unwrap_err();
+    assert!(e.to_string().contains("no allocation history"), "{e}");
+    // Memo puts, each 65,536 past the last (5 bytes apiece): the memo grew without bound.
+    let mut chain = b"\x80\x04N".to_vec();
+    for k in 1..4_000u32 {
+        chain.push(b'r');
+        chain.extend_from_slice(&(k << 16).to_le_bytes());
+    }
+    chain.push(b'.');
+    let e = read(chain).unwrap_err();
+    assert!(e.to_string().contains("memo index 65536 far beyond"), "{e}");
+    // Four million EMPTY_LISTs, gzipped to a few KB: the stack is refused at a million.
+    let mut bomb = b"\x80\x04".to_vec();
+    bomb.extend(std::iter::repeat_n(b']', 4 << 20));
+    let e = read(gz(&bomb)).unwrap_err();
+    assert!(e.to_string().contains("pickle stack holds over"), "{e}");
+    // A LONG4 announcing 4 GiB, and a string of 1 GiB: refused or read past, never held.
+    let e = read(b"\x80\x04\x8b\xff\xff\xff\xffabc".to_vec()).unwrap_err();
+    assert!(e.to_string().contains("inside LONG"), "{e}");
+    let e = read(b"\x80\x04X\x00\x00\x00\x40abc".to_vec()).unwrap_err();
+    assert!(e.to_string().contains("string of 1073741824 bytes"), "{e}");
     assert!(
         t0.elapsed() < std::time::Duration::from_secs(5),
         "took {:?}",
@@ -377,6 +403,51 @@ fn what_a_replay_leaves_out_is_said() {
     // A bundled trace recorded by PyTorch has nothing to say.
     let clean = trace::load(&bundled_trace("validation/mlp.pickle.gz"), 0, None).unwrap();
     assert!(clean.warnings().is_empty(), "{:?}", clean.warnings());
+}
+
+#[test]
+fn traces_that_no_allocator_records_are_inconsistent_and_zero_bytes_are_not_blocks() {
+    let ev = |kind, addr, size| trace::Event {
+        kind,
+        stream: 0,
+        addr,
+        size,
+        time_us: 0,
+    };
+    let t = |events| trace::Trace {
+        events,
+        meta: Default::default(),
+    };
+    // A zero-byte allocation (left out of the replay) and then a real one at its address.
+    let ok = t(vec![
+        ev(Kind::Alloc, 0x1000, 0),
+        ev(Kind::Alloc, 0x1000, 512),
+        ev(Kind::FreeRequested, 0x1000, 512),
+        ev(Kind::FreeCompleted, 0x1000, 512),
+    ]);
+    trace::validate(&ok).unwrap();
+    // The free of one block requested twice: named at the second request, where a replay once
+    // freed the block twice and blamed the simulator's pointer.
+    let twice = t(vec![
+        ev(Kind::Alloc, 0x1000, 512),
+        ev(Kind::FreeRequested, 0x1000, 512),
+        ev(Kind::FreeRequested, 0x1000, 512),
+        ev(Kind::FreeCompleted, 0x1000, 512),
+    ]);
+    let e = trace::validate(&twice).unwrap_err().to_string();
+    assert!(
+        e.contains("event 2") && e.contains("requested twice"),
+        "{e}"
+    );
+    // Requested, completed, allocated again and requested again: one request per block.
+    let again = t(vec![
+        ev(Kind::Alloc, 0x1000, 512),
+        ev(Kind::FreeRequested, 0x1000, 512),
+        ev(Kind::FreeCompleted, 0x1000, 512),
+        ev(Kind::Alloc, 0x1000, 256),
+        ev(Kind::FreeRequested, 0x1000, 256),
+    ]);
+    trace::validate(&again).unwrap();
 }
 
 #[test]

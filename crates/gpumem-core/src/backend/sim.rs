@@ -318,11 +318,15 @@ impl Backend for SimBackend {
         let hinted = match self.cfg.segment_addresses.front() {
             Some(&(size, addr)) if size == bytes => {
                 self.cfg.segment_addresses.pop_front();
-                let clash = self
-                    .segments
-                    .keys()
-                    .any(|&p| p < addr + bytes && addr < p + self.segments[&p]);
-                (!clash && addr != 0).then_some(addr)
+                // A hint from a trace may be anything: one that clashes, is null or runs past
+                // the end of the address space is not taken.
+                let fits = addr != 0 && addr.checked_add(bytes).is_some();
+                let clash = fits
+                    && self
+                        .segments
+                        .iter()
+                        .any(|(&p, &len)| p < addr + bytes && addr < p + len);
+                (fits && !clash).then_some(addr)
             }
             _ => None,
         };
@@ -578,6 +582,34 @@ mod tests {
             ..SimConfig::default()
         })
         .0
+    }
+
+    #[test]
+    fn segment_hints_past_the_address_space_or_clashing_are_not_taken() {
+        let (mut b, _) = SimBackend::new(SimConfig {
+            total_bytes: 64 * MIB,
+            segment_addresses: [
+                (2 * MIB, u64::MAX - MIB),
+                (2 * MIB, 0x7000_0000),
+                (2 * MIB, 0x7010_0000),
+            ]
+            .into(),
+            ..SimConfig::default()
+        });
+        // Past the end of the address space: a fresh address instead, freed like any other.
+        let p = b.mem_alloc(2 * MIB).unwrap();
+        assert!(p.checked_add(2 * MIB).is_some(), "{p:#x}");
+        // Taken as hinted; the next hint overlaps it, so it is not.
+        let q = b.mem_alloc(2 * MIB).unwrap();
+        assert_eq!(q, 0x7000_0000);
+        let r = b.mem_alloc(2 * MIB).unwrap();
+        assert!(
+            r + 2 * MIB <= q || r >= q + 2 * MIB,
+            "{r:#x} overlaps {q:#x}"
+        );
+        for x in [p, q, r] {
+            b.mem_free(x, 2 * MIB).unwrap();
+        }
     }
 
     #[test]

@@ -323,7 +323,9 @@ fn read_sized(
 /// Checks that the events make sense together: sizes are sane and no address is allocated
 /// twice without a free in between.
 pub fn validate(t: &Trace) -> Result<(), TraceError> {
-    let mut live: rustc_hash::FxHashSet<(u64, u64)> = Default::default();
+    // Live blocks, each with whether its free was requested already. Zero-byte allocations are
+    // left out of the replay, so they are not tracked here either.
+    let mut live: rustc_hash::FxHashMap<(u64, u64), bool> = Default::default();
     for (i, e) in t.events.iter().enumerate() {
         match e.kind {
             Kind::Alloc => {
@@ -333,11 +335,25 @@ pub fn validate(t: &Trace) -> Result<(), TraceError> {
                         what: format!("allocation of {} bytes is not plausible", e.size),
                     });
                 }
-                if !live.insert((e.stream, e.addr)) && e.size > 0 {
+                if e.size > 0 && live.insert((e.stream, e.addr), false).is_some() {
                     return Err(TraceError::Inconsistent {
                         index: i,
                         what: format!("address {:#x} allocated twice without a free", e.addr),
                     });
+                }
+            }
+            Kind::FreeRequested => {
+                if let Some(requested) = live.get_mut(&(e.stream, e.addr)) {
+                    if std::mem::replace(requested, true) {
+                        return Err(TraceError::Inconsistent {
+                            index: i,
+                            what: format!(
+                                "the free of address {:#x} requested twice (an allocator \
+                                 records one request per block)",
+                                e.addr
+                            ),
+                        });
+                    }
                 }
             }
             Kind::FreeCompleted => {

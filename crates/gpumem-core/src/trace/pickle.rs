@@ -39,6 +39,47 @@ enum V {
     Opaque,
 }
 
+/// Containers are dropped without recursion: a pickle of lists nested a hundred thousand deep
+/// (200 KB) would otherwise overflow the stack when its value is dropped. Values without
+/// children (nearly all) leave at the first test.
+impl Drop for V {
+    #[inline]
+    fn drop(&mut self) {
+        let has_children = match self {
+            V::List(items) => !items.is_empty(),
+            V::Dict(pairs) => !pairs.is_empty(),
+            _ => false,
+        };
+        if has_children {
+            drop_children(self);
+        }
+    }
+}
+
+/// Moves the children of `v`, and theirs, onto a heap stack and drops them there, each with no
+/// children left.
+#[cold]
+#[inline(never)]
+fn drop_children(v: &mut V) {
+    fn take(v: &mut V, pending: &mut Vec<V>) {
+        match v {
+            V::List(items) => pending.append(items),
+            V::Dict(pairs) => {
+                for (k, v) in pairs.drain(..) {
+                    pending.push(k);
+                    pending.push(v);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut pending = Vec::new();
+    take(v, &mut pending);
+    while let Some(mut child) = pending.pop() {
+        take(&mut child, &mut pending);
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tag {
     Other,
@@ -118,6 +159,14 @@ impl Strings {
 const NO_VALUE: u32 = u32::MAX;
 /// How far past the memo's end a BINPUT index may reach (picklers number it without gaps).
 const MEMO_GAP: usize = 1 << 16;
+/// Values and marks the pickle stack may hold at once. A snapshot's pickle holds a few
+/// thousand (PyTorch's pickler batches APPENDS and SETITEMS by 1,000); a million values of
+/// 32 bytes is far past that and still small, where a gzip of 300 KB of EMPTY_LIST opcodes
+/// would otherwise ask for gigabytes.
+const MAX_STACK: usize = 1 << 20;
+/// The longest string read (a snapshot's are file and function names): four copies of it live
+/// at once while it is interned.
+const MAX_STRING: usize = 64 << 20;
 /// Entries converted before `append` first scans the stack to forget them.
 const SCRATCH_SCAN_MIN: usize = 64;
 /// Marks a memo entry that is a string id (most are), which then needs no `memo_vals` slot.
@@ -216,6 +265,16 @@ impl<'a> Vm<'a> {
         Ok(self.stack.split_off(m))
     }
 
+    /// Reads past `n` bytes of an operand not kept, a MiB at a time.
+    fn skip(&mut self, mut n: usize, what: &str) -> Result<(), TraceError> {
+        while n > 0 {
+            let k = n.min(1 << 20);
+            self.inp.take(k, what)?;
+            n -= k;
+        }
+        Ok(())
+    }
+
     fn string(&mut self, bytes: &[u8]) -> Result<V, TraceError> {
         self.strs
             .intern(bytes)
@@ -259,12 +318,15 @@ impl<'a> Vm<'a> {
         if i >= self.memo.len() {
             // Picklers number the memo from 0 without gaps; a far index would only cost
             // memory (a 9-byte file asked for 8 GiB).
-            if i > self.memo.len() + MEMO_GAP {
+            // Nor can an index exceed the bytes read so far (each put takes at least one): a
+            // chain of puts, each a gap further, would otherwise grow the memo without bound.
+            if i > self.memo.len() + MEMO_GAP || i as u64 > self.inp.offset() {
                 return Err(malformed(
                     self.inp.offset(),
                     format!(
-                        "memo index {idx} far beyond the {} entries so far",
-                        self.memo.len()
+                        "memo index {idx} far beyond the {} entries and {} bytes so far",
+                        self.memo.len(),
+                        self.inp.offset()
                     ),
                 ));
             }
@@ -627,6 +689,15 @@ impl<'a> Vm<'a> {
 
     fn run(&mut self) -> Result<V, TraceError> {
         loop {
+            if self.stack.len() + self.marks.len() > MAX_STACK {
+                return Err(malformed(
+                    self.inp.offset(),
+                    format!(
+                        "the pickle stack holds over {MAX_STACK} values and marks (a memory \
+                         snapshot's holds a few thousand)"
+                    ),
+                ));
+            }
             self.fast_ops()?;
             let off = self.inp.offset();
             let Some(op) = self.inp.next_byte()? else {
@@ -681,12 +752,15 @@ impl<'a> Vm<'a> {
                         let b = self.inp.take(4, "LONG4")?;
                         u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
                     };
-                    let b = self.inp.take(n, "LONG")?;
                     if n == 0 {
                         self.stack.push(V::Int(0));
                     } else if n <= 8 {
+                        let b = self.inp.take(n, "LONG")?;
                         self.stack.push(V::Int(long_le(b)));
                     } else {
+                        // Beyond any size or address: read past, never held (LONG4 may
+                        // announce 4 GiB).
+                        self.skip(n, "LONG")?;
                         self.stack.push(V::BigInt);
                     }
                 }
@@ -712,8 +786,14 @@ impl<'a> Vm<'a> {
                             u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
                         }
                     };
-                    if n > 1 << 30 {
-                        return Err(malformed(off, format!("string of {n} bytes")));
+                    if n > MAX_STRING {
+                        return Err(malformed(
+                            off,
+                            format!(
+                                "string of {n} bytes (at most {MAX_STRING} are read; a memory \
+                                 snapshot's strings are names)"
+                            ),
+                        ));
                     }
                     let bytes = self.inp.take(n, "string")?.to_vec();
                     let v = self.string(&bytes)?;
@@ -737,7 +817,7 @@ impl<'a> Vm<'a> {
                     if n > 1 << 30 {
                         return Err(malformed(off, format!("bytes object of {n} bytes")));
                     }
-                    self.inp.take(n, "bytes")?;
+                    self.skip(n, "bytes")?;
                     self.stack.push(V::Bytes);
                 }
                 0x94 => {

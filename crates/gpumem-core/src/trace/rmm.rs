@@ -70,14 +70,19 @@ pub fn read_csv(inp: &mut Input) -> Result<Trace, TraceError> {
     let mut last_time = 0u64;
     let mut day = 0u64;
     let mut lineno = 1usize;
-    while let Some(line) = inp.line()? {
+    loop {
+        // Where the line starts in the (decompressed) stream, for its errors.
+        let at = inp.offset();
+        let Some(line) = inp.line()? else {
+            break;
+        };
         lineno += 1;
         if line.trim().is_empty() {
             continue;
         }
         let f: Vec<&str> = line.split(',').collect();
         let bad = |what: &str| TraceError::Malformed {
-            offset: inp_offset_hint(lineno),
+            offset: at,
             what: format!("line {lineno}: {what}: {}", quote(&line)),
         };
         let get = |i: usize| f.get(i).copied().ok_or_else(|| bad("too few columns"));
@@ -124,10 +129,6 @@ pub fn read_csv(inp: &mut Input) -> Result<Trace, TraceError> {
             ..TraceMeta::default()
         },
     })
-}
-
-fn inp_offset_hint(line: usize) -> u64 {
-    line as u64
 }
 
 #[cfg(test)]
@@ -179,6 +180,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 2") && e.contains("bad pointer"), "{e}");
+        // The byte is where the line starts (the header's 39 bytes), not the line's number.
+        assert!(e.contains("at byte 39:"), "{e}");
         let e = parse("Thread,Time,Action,Pointer,Size,Stream\n1,2.0,borrow,16,1,0\n")
             .unwrap_err()
             .to_string();
