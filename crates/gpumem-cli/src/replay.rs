@@ -174,6 +174,15 @@ fn load(path: &Path, device: u32, quiet: bool) -> Result<trace::Trace, String> {
     for w in t.warnings() {
         err_println!("gpumem: warning: {}: {w}", path.display());
     }
+    // Only PyTorch's snapshots hold several devices' histories; the other formats hold one.
+    if device != 0 && t.meta.format != "pytorch-snapshot" {
+        err_println!(
+            "gpumem: warning: {}: --device-index {device} ignored: a {} trace holds one device's \
+             history, which is replayed",
+            path.display(),
+            t.meta.format
+        );
+    }
     Ok(t)
 }
 

@@ -352,6 +352,28 @@ fn absurd_arguments_are_refused_before_any_work() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["policy"], "buddy", "one policy's result: {v}");
+    // A device index where the format holds one device: said, not silently dropped.
+    let csv = tmp("one_device.csv");
+    std::fs::write(
+        &csv,
+        "Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1000,4096,0\n1,2.0,free,0x1000,4096,0\n",
+    )
+    .unwrap();
+    let out = gpumem()
+        .args(["replay", "-p", "caching", "--device-index", "3"])
+        .arg(&csv)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("--device-index 3 ignored: a rmm-csv trace"),
+        "{e}"
+    );
     // More threads than an allocator has streams: refused at once, not 100,000 threads spawned.
     let t0 = Instant::now();
     let out = gpumem()

@@ -42,10 +42,11 @@
 //! process, so it reports misuse on stderr and in counters instead.
 //!
 //! A panic caught in a call that changes gpumem's state (an allocation, a free, a stream
-//! record, a private-pool call) may have left a pool half-updated, a block both on a free list
-//! and handed out say. So it poisons the allocator for the process: later allocations and pool
-//! calls fail with an error that says so, and later frees are ignored (their memory leaks),
-//! rather than hand out memory that may already be in use.
+//! record, a private-pool call, emptying the cache, a reset of statistics) may have left a pool
+//! half-updated, a block both on a free list and handed out say. So it poisons the allocator
+//! for the process: later allocations and pool calls fail with an error that says so, and later
+//! frees, cache empties and resets are ignored (freed memory stays held), rather than hand out
+//! memory that may already be in use.
 
 use crate::registry::{device_index, global, warn, FreeOutcome, PoolOp, TorchError};
 use gpumem_core::backend::DevPtr;
@@ -81,15 +82,13 @@ fn guarded<T>(
     })
 }
 
-/// A free or stream record, which cannot fail visibly: `f` under [`guarded`], the error (a
-/// panic, or a poisoned allocator, reported once) on stderr. A poisoned allocator ignores it.
-fn guarded_quietly(what: impl FnOnce() -> String, f: impl FnOnce()) {
+/// A call that cannot fail visibly (a free, a stream record, emptying the cache, a reset):
+/// `f` under [`guarded`], its result dropped, the error (a panic, or a poisoned allocator,
+/// reported once) on stderr. A poisoned allocator ignores the call.
+fn guarded_quietly<R>(what: impl FnOnce() -> String, f: impl FnOnce() -> R) {
     static TOLD: AtomicBool = AtomicBool::new(false);
     let poisoned_before = POISONED.load(Ordering::Relaxed);
-    if let Err(e) = guarded(&POISONED, what, || {
-        f();
-        Ok(())
-    }) {
+    if let Err(e) = guarded(&POISONED, what, || Ok(f())) {
         if !poisoned_before || !TOLD.swap(true, Ordering::Relaxed) {
             warn(format_args!("{}", e.message()));
         }
@@ -355,11 +354,7 @@ pub extern "C" fn gpumem_torch_record_stream(ptr: *mut c_void, stream: *mut c_vo
 /// `torch.cuda.empty_cache()`: every device returns the memory no tensor uses.
 #[no_mangle]
 pub extern "C" fn gpumem_torch_empty_cache() {
-    if catch_unwind(|| global().empty_cache()).is_err() {
-        warn(format_args!(
-            "gpumem: internal error (a panic) in empty_cache; please report it"
-        ));
-    }
+    guarded_quietly(|| "in empty_cache".into(), || global().empty_cache());
 }
 
 /// c10's `emptyCache(mempool_id)` for a pool other than (0, 0): every device returns the
@@ -367,11 +362,10 @@ pub extern "C" fn gpumem_torch_empty_cache() {
 /// destructor calls it).
 #[no_mangle]
 pub extern "C" fn gpumem_torch_empty_pool(first: u64, second: u64) {
-    if catch_unwind(|| global().empty_pool_cache((first, second))).is_err() {
-        warn(format_args!(
-            "gpumem: internal error (a panic) in empty_cache of a pool; please report it"
-        ));
-    }
+    guarded_quietly(
+        || "in empty_cache of a pool".into(),
+        || global().empty_pool_cache((first, second)),
+    );
 }
 
 /// `torch.cuda.set_per_process_memory_fraction(fraction, device)`.
@@ -461,11 +455,7 @@ fn reset(device: c_int, f: impl FnOnce(usize), what: &str) -> c_int {
     let Ok(d) = device_index(device) else {
         return 1;
     };
-    if catch_unwind(AssertUnwindSafe(|| f(d))).is_err() {
-        warn(format_args!(
-            "gpumem: internal error (a panic) in {what}; please report it"
-        ));
-    }
+    guarded_quietly(|| format!("in {what}"), || f(d));
     0
 }
 
@@ -1214,6 +1204,13 @@ mod tests {
             text(&err).contains("serves no more requests"),
             "{}",
             text(&err)
+        );
+        let reserved = global().memory_stats(0).reserved_bytes.all.current;
+        gpumem_torch_empty_cache();
+        assert_eq!(
+            global().memory_stats(0).reserved_bytes.all.current,
+            reserved,
+            "a poisoned allocator returns nothing either"
         );
         POISONED.store(false, Ordering::Relaxed);
         gpumem_torch_free(live, MIB as usize, 0, std::ptr::null_mut());

@@ -109,8 +109,8 @@ pub fn timeline_html(trace_name: &str, results: &[PolicyResult]) -> Result<Strin
     let plotted: Vec<&PolicyResult> = results.iter().filter(|r| !r.timeline.is_empty()).collect();
     if plotted.is_empty() {
         return Err(
-            "no timeline samples to plot: replay with ReplayOptions::timeline_points > 0 \
-             (`gpumem replay --plot` does)"
+            "no timeline samples to plot: the trace has no events to replay, or the replay \
+             kept none (ReplayOptions::timeline_points > 0, which `gpumem replay --plot` sets)"
                 .into(),
         );
     }
