@@ -335,10 +335,20 @@ def _explain_missing_checkpoints(torch: Any) -> None:
             setattr(torch._C, name, refuse(name))
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A yes/no argument: a bool (or the integers 0 and 1). A string such as ``"false"`` is
+    refused rather than read as true, which ``bool()`` would do."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
 def _native_wanted(native: Optional[bool]) -> bool:
     """``install``'s ``native`` argument, or ``GPUMEM_TORCH_NATIVE`` when it is None."""
     if native is not None:
-        return bool(native)
+        return _flag("native", native)
     text = os.environ.get(_NATIVE_ENV, "").strip().lower()
     if text in ("", "0", "false", "no", "off"):
         return False
@@ -559,7 +569,7 @@ def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     allocations and segments), the same columns (current, peak, total allocated, total
     freed) and units. ``abbreviated`` keeps only the all-pools row of each metric, as
     PyTorch's does."""
-    return _native.torch_memory_summary(_device_index(device), bool(abbreviated))
+    return _native.torch_memory_summary(_device_index(device), _flag("abbreviated", abbreviated))
 
 
 def memory_stats_json(device: DeviceLike = None) -> str:
@@ -635,7 +645,7 @@ def record_memory_history(
         )
     else:
         raise ValueError(f"enabled must be True, False, None or 'all', not {enabled!r}")
-    warning = _native.torch_record_memory_history(entries, bool(stacks) and entries > 0)
+    warning = _native.torch_record_memory_history(entries, _flag("stacks", stacks) and entries > 0)
     if warning is not None:
         warnings.warn(warning, RuntimeWarning, stacklevel=2)
 
@@ -705,7 +715,7 @@ def time_hooks(on: bool = True) -> None:
     and ``record_stream``, on every device and thread, driver calls included. The totals
     (``hook_time()``) are kept when it is switched off. Costs two clock reads per call (tens of
     nanoseconds), so it is off until asked for."""
-    _native.torch_time_hooks(bool(on))
+    _native.torch_time_hooks(_flag("on", on))
 
 
 def hook_time() -> Dict[str, Dict[str, float]]:
@@ -754,25 +764,72 @@ def _patch_torch(torch: Any) -> None:
         del mempool_id, include_traces
         return memory_snapshot(None)
 
-    def _record_memory_history(
+    def _record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        # PyTorch's dispatch: a bool takes the legacy signature, anything else the current one.
+        # Either's arguments are checked by its signature (a misspelt keyword is a TypeError).
+        if isinstance(enabled, bool):
+            _history_legacy(enabled, *args, **kwargs)
+        else:
+            _history_current(enabled, *args, **kwargs)
+
+    def _history_current(
         enabled: Optional[str] = "all",
         context: Optional[str] = "all",
         stacks: str = "all",
         max_entries: int = sys.maxsize,
         device: DeviceLike = None,
         clear_history: bool = False,
-        **ignored: Any,
+        compile_context: bool = False,
+        global_record_annotations: bool = False,
+        skip_actions: Optional[List[str]] = None,
     ) -> None:
-        # PyTorch's signature. gpumem's history covers every device (`device` is ignored),
-        # and it records stacks at allocations ("alloc"): any context but None asks for them.
-        del stacks, device, ignored
-        if clear_history:
-            warnings.warn(
-                "gpumem cannot clear its allocation history; clear_history is ignored",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        # gpumem's history covers every device (`device` is ignored), and it records stacks at
+        # allocations ("alloc"): any context but None asks for them.
+        del device
+        if context not in (None, "state", "alloc", "all"):
+            raise ValueError(f"context must be None, 'state', 'alloc' or 'all', not {context!r}")
+        if stacks not in ("python", "all"):
+            raise ValueError(f"stacks must be 'python' or 'all', not {stacks!r}")
+        _history_unsupported(clear_history, compile_context, global_record_annotations, skip_actions)
         record_memory_history(enabled, max_entries=max_entries, stacks=context is not None)
+
+    def _history_legacy(
+        enabled: bool,
+        record_context: bool = True,
+        trace_alloc_max_entries: int = 1,
+        trace_alloc_record_context: bool = False,
+        device: DeviceLike = None,
+        record_context_cpp: bool = False,
+        clear_history: bool = False,
+        compile_context: bool = False,
+        global_record_annotations: bool = False,
+        skip_actions: Optional[List[str]] = None,
+    ) -> None:
+        # PyTorch's older form: the history keeps trace_alloc_max_entries events (1 unless
+        # given), with stacks when record_context.
+        del trace_alloc_record_context, device, record_context_cpp
+        _history_unsupported(clear_history, compile_context, global_record_annotations, skip_actions)
+        record_memory_history(
+            enabled, max_entries=trace_alloc_max_entries, stacks=_flag("record_context", record_context)
+        )
+
+    def _history_unsupported(clear: bool, compile_context: bool, annotations: bool, skip: Any) -> None:
+        asked = [
+            name
+            for name, value in (
+                ("clear_history", clear),
+                ("compile_context", compile_context),
+                ("global_record_annotations", annotations),
+                ("skip_actions", skip),
+            )
+            if value
+        ]
+        if asked:
+            warnings.warn(
+                f"gpumem's allocation history does not support {', '.join(asked)}; ignored",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     replacements = {
         "memory_stats": memory_stats,

@@ -298,6 +298,15 @@ def test_bad_configuration_and_devices_are_rejected():
         gpumem.Allocator(device="tpu")
     with pytest.raises(ValueError, match="sim_events"):
         gpumem.Allocator(sim_events="sometimes")
+    # A simulated device larger than any GPU once overflowed (a panic) or asked for terabytes
+    # of page table (an abort): refused before anything is made.
+    for policy in ("stitched", "expandable", "caching"):
+        with pytest.raises(ValueError, match="more than the 4 TiB"):
+            gpumem.Allocator(conf=f"policy:{policy}", sim_memory=2**62)
+    with pytest.raises(ValueError, match="needs some memory"):
+        gpumem.Allocator(sim_memory=0)
+    a = gpumem.Allocator(conf="policy:stitched", sim_memory=4 * 2**40)
+    a.free(a.allocate(1))
 
 
 def test_cuda_device_without_a_gpu_is_a_clear_error():

@@ -187,6 +187,18 @@ def test_bad_devices_fail_clearly():
         gpumem.torch.memory_stats(-1)
     with pytest.raises(ValueError, match="expected a CUDA device"):
         gpumem.torch.memory_stats("cpu")
+    # A device past the last one present is an error, as PyTorch raises, not zeros.
+    gpumem.torch.memory_stats(DEVICES - 1)
+    for call in (gpumem.torch.memory_stats, gpumem.torch.snapshot, gpumem.torch.memory_fraction):
+        with pytest.raises(ValueError, match=f"index {DEVICES} \\({DEVICES} device"):
+            call(DEVICES)
+    with pytest.raises(ValueError, match="invalid CUDA device index"):
+        gpumem.torch.set_memory_fraction(0.5, DEVICES)
+    # Yes/no arguments are bools: "false" is refused, not read as True.
+    with pytest.raises(TypeError, match="abbreviated must be True or False"):
+        gpumem.torch.memory_summary(0, abbreviated="false")
+    with pytest.raises(TypeError, match="on must be True or False"):
+        gpumem.torch.time_hooks("off")
 
 
 def test_empty_cache_releases_all_devices():
@@ -309,6 +321,9 @@ def test_history_cannot_change_once_the_allocators_exist():
         gpumem.torch.record_memory_history("state")
     with pytest.raises(ValueError, match="positive"):
         gpumem.torch.record_memory_history(True, max_entries=0)
+    # The simulated devices' size is checked as the Allocator's is.
+    with pytest.raises(ValueError, match="more than the 4 TiB"):
+        _native.torch_use_simulated_devices(1, 2**64 - 1, False)
 
 
 def test_driver_calls_count_the_pages_gpumem_took_and_their_time():

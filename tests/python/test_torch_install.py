@@ -529,6 +529,46 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+def test_torchs_record_memory_history_takes_both_its_signatures_and_checks_them():
+    # PyTorch's _record_memory_history takes its older form when `enabled` is a bool
+    # (trace_alloc_max_entries, record_context): gpumem's replacement follows both, and refuses
+    # what either refuses, instead of swallowing any keyword.
+    r = run_python(
+        """
+import json, warnings, torch, gpumem
+from gpumem import _native
+_native.torch_use_simulated_devices(1, 1 << 30)
+torch.cuda.is_available = lambda: True
+gpumem.torch.install(conf="policy:stitched")
+out = {}
+def err(f):
+    try:
+        f()
+    except Exception as e:
+        return type(e).__name__
+    return None
+h = torch.cuda.memory._record_memory_history
+out["misspelt"] = err(lambda: h(True, trace_alloc_max_entires=10))
+out["misspelt_current"] = err(lambda: h("all", max_entires=10))
+out["bad_context"] = err(lambda: h("all", context="bogus"))
+out["bad_stacks"] = err(lambda: h("all", stacks="bogus"))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    h(True, trace_alloc_max_entries=1000, record_context=True, clear_history=True)
+out["warned"] = [str(x.message) for x in w]
+out["settings"] = list(_native.torch_history_settings())
+out["flag"] = err(lambda: gpumem.torch.time_hooks("off"))
+print(json.dumps(out))
+"""
+    )
+    assert r["misspelt"] == r["misspelt_current"] == "TypeError"
+    assert r["bad_context"] == r["bad_stacks"] == "ValueError"
+    assert r["settings"] == [1000, True], "the legacy form's entries and context were kept"
+    assert any("clear_history" in m for m in r["warned"]), r["warned"]
+    assert r["flag"] == "TypeError", "a string is not read as True"
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
 def test_memory_profiler_sees_the_pluggable_hooks():
     # On the default (pluggable) path too, torch.profiler with profile_memory=True is told of
     # each block gpumem's hooks hand out and take back, with its bytes: the hooks call c10's

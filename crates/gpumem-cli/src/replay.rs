@@ -1,6 +1,7 @@
 //! `gpumem replay` and `gpumem convert`.
 
 use clap::Args;
+use gpumem_core::backend::sim;
 use gpumem_core::policy::PolicyKind;
 use gpumem_core::reference::lower_reference;
 use gpumem_core::replay::{replay_all, ReplayOptions};
@@ -122,15 +123,11 @@ fn policies_of(given: &[PolicyKind], conf: &str) -> Result<Vec<PolicyKind>, Stri
     }
 }
 
-/// The largest simulated device: 4 TiB, over ten times today's largest GPU, and small
-/// enough that the policies' per-page tables of it stay in tens of MiB.
-const MAX_SIM_DEVICE: u64 = 4 << 40;
-
 fn parse_bytes(s: &str) -> Result<u64, String> {
     match parse_size(s) {
         // Less than one 2 MiB page could hold nothing.
-        Some(b) if (2 << 20..=MAX_SIM_DEVICE).contains(&b) => Ok(b),
-        Some(b) if b > MAX_SIM_DEVICE => Err(format!(
+        Some(b) if (2 << 20..=sim::MAX_TOTAL_BYTES).contains(&b) => Ok(b),
+        Some(b) if b > sim::MAX_TOTAL_BYTES => Err(format!(
             "'{s}' is more than the 4 TiB gpumem simulates (the largest GPUs hold under 300 GB)"
         )),
         Some(_) => Err(format!("'{s}' is smaller than one 2 MiB page")),

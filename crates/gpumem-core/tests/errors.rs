@@ -403,6 +403,16 @@ fn what_a_replay_leaves_out_is_said() {
     // A bundled trace recorded by PyTorch has nothing to say.
     let clean = trace::load(&bundled_trace("validation/mlp.pickle.gz"), 0, None).unwrap();
     assert!(clean.warnings().is_empty(), "{:?}", clean.warnings());
+    // One with nothing to replay says so (a snapshot taken without the history recorded).
+    let empty = trace::Trace {
+        events: vec![ev(Kind::Alloc, 0x2000, 0)],
+        meta: Default::default(),
+    };
+    let w = empty.warnings();
+    assert!(
+        w[0].starts_with("the trace holds no allocation to replay"),
+        "{w:?}"
+    );
 }
 
 #[test]

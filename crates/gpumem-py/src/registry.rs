@@ -434,6 +434,15 @@ impl Registry {
         with_history(config, setup.history)
     }
 
+    /// How many devices there are to serve: the simulated ones, or the CUDA driver's count
+    /// (`None` where it cannot be read, such as on a machine with no driver).
+    pub fn devices_present(&self) -> Option<usize> {
+        match &self.setup.lock().source {
+            Source::Sim { devices, .. } => Some(*devices as usize),
+            Source::Cuda => gpumem_cuda::device_count().ok().map(|n| n as usize),
+        }
+    }
+
     /// Switches to simulated devices. Only before the first allocator exists.
     pub fn use_source(&self, source: Source) -> Result<(), String> {
         let mut setup = self.setup.lock();

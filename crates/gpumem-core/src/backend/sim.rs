@@ -49,6 +49,24 @@ pub struct SimConfig {
     pub address_base: u64,
 }
 
+/// The largest simulated device: 4 TiB, over ten times today's largest GPU, and small enough
+/// that the policies' per-page tables of it (a slot per 2 MiB page) stay in tens of MiB.
+pub const MAX_TOTAL_BYTES: u64 = 4 << 40;
+
+/// Why `bytes` cannot be a simulated device's memory (zero, or over [`MAX_TOTAL_BYTES`]).
+pub fn check_total_bytes(bytes: u64) -> Result<(), String> {
+    if bytes == 0 {
+        Err("a simulated device needs some memory (0 bytes given)".into())
+    } else if bytes > MAX_TOTAL_BYTES {
+        Err(format!(
+            "{bytes} bytes is more than the 4 TiB a simulated device may have (the largest \
+             GPUs hold under 300 GB)"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 impl Default for SimConfig {
     /// An H200: 150,109,880,320 bytes and 2 MiB pages, events completing at once.
     fn default() -> Self {

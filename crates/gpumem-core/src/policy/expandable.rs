@@ -105,8 +105,9 @@ impl Expandable {
             Pool::Small => SMALL_BUFFER,
             Pool::Large => LARGE_BUFFER,
         };
-        let pages = (self.device_total + self.device_total / 8).div_ceil(page);
-        let base = d.address_reserve(pages * page, self.stream, pool)?;
+        // (Saturating: a device total near u64::MAX then fails at the reservation below.)
+        let pages = (self.device_total.saturating_add(self.device_total / 8)).div_ceil(page);
+        let base = d.address_reserve(pages.saturating_mul(page), self.stream, pool)?;
         self.segs.push(ExpSegment {
             base,
             page,

@@ -543,7 +543,11 @@ impl PolicyFactory {
             PolicyKind::Stitched => {
                 let shared = Arc::new(stitched::PagePool::new(info, opts));
                 pages = Some(shared.clone());
-                let va = info.total_bytes.max(info.page_bytes) * opts.va_factor;
+                // (Saturating: an absurd device total then fails at the reservation.)
+                let va = info
+                    .total_bytes
+                    .max(info.page_bytes)
+                    .saturating_mul(opts.va_factor);
                 let (make, counted) = stitched_maker(shared.clone(), va, opts);
                 spills = counted;
                 if opts.big_page > info.page_bytes {

@@ -156,6 +156,17 @@ impl Trace {
             }
         }
         let mut w = Vec::new();
+        if !self
+            .events
+            .iter()
+            .any(|e| e.kind == Kind::Alloc && e.size > 0)
+        {
+            w.push(
+                "the trace holds no allocation to replay (a PyTorch snapshot has them only if \
+                 torch.cuda.memory._record_memory_history was on while the program ran)"
+                    .into(),
+            );
+        }
         if self.meta.skipped_entries > 0 {
             w.push(format!(
                 "{} entries have an action gpumem does not replay (such as oom or snapshot) or none; \

@@ -94,9 +94,8 @@ impl PyAllocator {
                         }
                     };
                     let total = sim_memory.unwrap_or(H200_TOTAL_BYTES);
-                    if total == 0 {
-                        return Err(PyValueError::new_err("sim_memory must be positive"));
-                    }
+                    gpumem_core::backend::sim::check_total_bytes(total)
+                        .map_err(|e| PyValueError::new_err(format!("sim_memory: {e}")))?;
                     let (b, ctl) = SimBackend::new(SimConfig {
                         total_bytes: total,
                         event_mode,

@@ -17,11 +17,19 @@ use pyo3::types::{PyDict, PyTuple};
 use pyo3::wrap_pyfunction;
 use std::path::PathBuf;
 
+/// A device index from Python: one of the devices present (as PyTorch's own functions raise
+/// for an index past the last GPU instead of answering zeros).
 fn device(d: i64) -> PyResult<usize> {
+    let present = global().devices_present();
     usize::try_from(d)
         .ok()
-        .filter(|&d| d < MAX_DEVICES)
-        .ok_or_else(|| PyValueError::new_err(format!("invalid CUDA device index {d}")))
+        .filter(|&d| d < MAX_DEVICES && present.is_none_or(|n| d < n))
+        .ok_or_else(|| {
+            PyValueError::new_err(match present {
+                Some(n) => format!("invalid CUDA device index {d} ({n} device(s): 0..{n})"),
+                None => format!("invalid CUDA device index {d}"),
+            })
+        })
 }
 
 fn torch_err(e: TorchError) -> PyErr {
@@ -61,6 +69,10 @@ fn torch_use_simulated_devices(
         return Err(PyValueError::new_err(format!(
             "devices must be in 1..={MAX_DEVICES}"
         )));
+    }
+    if let Some(b) = total_bytes {
+        gpumem_core::backend::sim::check_total_bytes(b)
+            .map_err(|e| PyValueError::new_err(format!("total_bytes: {e}")))?;
     }
     global()
         .use_source(sim_source(devices, total_bytes, manual_events))
