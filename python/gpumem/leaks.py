@@ -79,6 +79,11 @@ def leak_report(allocator: Optional["Allocator"] = None, *, device: Any = None) 
     if allocator is not None:
         if device is not None:
             raise TypeError("give an allocator or a device, not both")
+        if not hasattr(allocator, "leak_report"):
+            raise TypeError(
+                f"allocator must be a gpumem.Allocator, not {type(allocator).__name__}; "
+                f"for a device of gpumem's PyTorch allocator, pass device={allocator!r}"
+            )
         return LeakReport(allocator.leak_report())
     from . import torch as _torch
 

@@ -264,6 +264,11 @@ def test_assert_no_leaks_passes_when_clean_and_raises_with_the_report():
     gpumem.testing.assert_no_leaks(a)
     with pytest.raises(TypeError):
         gpumem.leak_report(a, device=0)
+    # A device index where the allocator goes: says which keyword was meant.
+    with pytest.raises(TypeError, match="pass device=0"):
+        gpumem.leak_report(0)
+    with pytest.raises(TypeError, match="pass device=0"):
+        gpumem.testing.assert_no_leaks(0)
 
 
 def run_script(code, env_extra):

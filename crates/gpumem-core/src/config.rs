@@ -205,11 +205,13 @@ impl Config {
                     c.options.big_page = match v {
                         "off" | "0" => 0,
                         _ => parse_size(v)
-                            .filter(|b| b.is_power_of_two() && *b <= 1 << 30)
+                            // Under the driver's 2 MiB granularity a second tier could not
+                            // exist: the policy would drop it without a word.
+                            .filter(|b| b.is_power_of_two() && (2 << 20..=1 << 30).contains(b))
                             .ok_or_else(|| {
                                 AllocError::Config(format!(
-                                    "big_page:{v}: expected a power of two of bytes up to 1GiB \
-                                     (e.g. 16MiB), or off"
+                                    "big_page:{v}: expected a power of two of bytes from 2MiB up \
+                                     to 1GiB (e.g. 16MiB), or off"
                                 ))
                             })?,
                     }
@@ -437,6 +439,8 @@ mod tests {
             ("cap:0", "a cap of nothing"),
             ("cap:0.0", "a cap of nothing"),
             ("cap:0GiB", "a cap of nothing"),
+            ("big_page:4KiB", "from 2MiB"),
+            ("big_page:1", "from 2MiB"),
         ] {
             let e = Config::parse(bad).unwrap_err().to_string();
             assert!(e.contains(needle), "{bad}: {e}");

@@ -58,8 +58,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static POISONED: AtomicBool = AtomicBool::new(false);
 
 /// Why a poisoned allocator refuses a request.
-const POISONED_MESSAGE: &str = "gpumem: an earlier internal error (a panic, reported above on \
-     stderr) may have left the allocator's state inconsistent, so it serves no more requests in \
+const POISONED_MESSAGE: &str = "gpumem: an earlier internal error (a panic, reported when it \
+     happened) may have left the allocator's state inconsistent, so it serves no more requests in \
      this process; please report it";
 
 /// Runs `f`, which changes gpumem's state, unless `poison` is set; a panic inside `f` sets
