@@ -434,12 +434,17 @@ impl Registry {
         with_history(config, setup.history)
     }
 
-    /// How many devices there are to serve: the simulated ones, or the CUDA driver's count
-    /// (`None` where it cannot be read, such as on a machine with no driver).
+    /// How many devices there are to serve: the simulated ones, or the CUDA driver's count.
+    /// `None` where it is not known without initialising CUDA: before gpumem made its first
+    /// allocator (a statistics call must not initialise CUDA in a process that may still fork,
+    /// as PyTorch's do not), or on a machine with no driver.
     pub fn devices_present(&self) -> Option<usize> {
         match &self.setup.lock().source {
             Source::Sim { devices, .. } => Some(*devices as usize),
-            Source::Cuda => gpumem_cuda::device_count().ok().map(|n| n as usize),
+            Source::Cuda => self
+                .first_slot()
+                .and_then(|_| gpumem_cuda::device_count().ok())
+                .map(|n| n as usize),
         }
     }
 
