@@ -387,3 +387,27 @@ print(json.dumps({{
     assert out["dumped"] is True
     assert out["settings"] == [1000, True]
     assert "before any tensor is created" in out["err"]
+
+
+def test_an_invalid_gpumem_conf_is_reported_by_the_diagnostics_too():
+    # Before any allocation the diagnostics describe the configuration the allocators will
+    # have: with GPUMEM_CONF not one, they raise what the first allocation would, instead of
+    # describing the defaults.
+    r = run_script(
+        """
+        import gpumem
+        from gpumem import _native
+        _native.torch_use_simulated_devices(1, 2**30, False)
+        for f in (lambda: gpumem.torch.memory_summary(0), lambda: gpumem.torch.snapshot(0)):
+            try:
+                f()
+                print("no error")
+            except gpumem.GpumemError as e:
+                print("error:", e)
+        """,
+        {"GPUMEM_CONF": "policy:bogus"},
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(l.startswith("error: gpumem: GPUMEM_CONF:") for l in lines), r.stdout
+    assert "bogus" in lines[0]

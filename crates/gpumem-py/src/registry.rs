@@ -422,16 +422,20 @@ impl Registry {
         })
     }
 
-    /// The configuration the allocators have, or will have when created.
-    pub fn effective_config(&self) -> Config {
+    /// The configuration the allocators have, or will have when created; the error the first
+    /// allocation would raise when `GPUMEM_CONF` is not a configuration (rather than the
+    /// defaults, which no allocator would have).
+    pub fn effective_config(&self) -> Result<Config, TorchError> {
         if let Some(s) = self.first_slot() {
-            return s.alloc.config().clone();
+            return Ok(s.alloc.config().clone());
         }
         let setup = self.setup.lock();
-        let config = setup.config.clone().unwrap_or_else(|| {
-            parse_conf(&std::env::var("GPUMEM_CONF").unwrap_or_default()).unwrap_or_default()
-        });
-        with_history(config, setup.history)
+        let config = match setup.config.clone() {
+            Some(c) => c,
+            None => parse_conf(&std::env::var("GPUMEM_CONF").unwrap_or_default())
+                .map_err(|e| TorchError::Other(format!("gpumem: GPUMEM_CONF: {e}")))?,
+        };
+        Ok(with_history(config, setup.history))
     }
 
     /// How many devices there are to serve: the simulated ones, or the CUDA driver's count.
@@ -1291,7 +1295,7 @@ mod tests {
         })
         .unwrap();
         r.configure(Some("policy:native")).unwrap();
-        assert_eq!(r.effective_config().history, 100);
+        assert_eq!(r.effective_config().unwrap().history, 100);
         let p = r.alloc(MIB, 0, 0).unwrap();
         let alloc = &r.get(0).unwrap().alloc;
         assert_eq!(

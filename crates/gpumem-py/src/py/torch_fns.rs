@@ -120,7 +120,11 @@ fn torch_memory_summary(device_index: i64, abbreviated: bool) -> PyResult<String
     let d = device(device_index)?;
     let title = format!(
         "gpumem CUDA memory summary, device ID {d} (policy {})",
-        global().effective_config().policy.name()
+        global()
+            .effective_config()
+            .map_err(torch_err)?
+            .policy
+            .name()
     );
     Ok(summary(
         &global().memory_stats(d),
@@ -137,7 +141,10 @@ fn snapshot_bytes(d: usize) -> PyResult<Vec<u8>> {
         Some(slot) => {
             snapshot_pickle(&slot.alloc).map_err(|e| GpumemError::new_err(format!("snapshot: {e}")))
         }
-        None => Ok(empty_snapshot(d as u32, &global().effective_config())),
+        None => Ok(empty_snapshot(
+            d as u32,
+            &global().effective_config().map_err(torch_err)?,
+        )),
     }
 }
 
@@ -180,9 +187,9 @@ fn torch_record_memory_history(entries: usize, backtraces: bool) -> PyResult<Opt
 
 /// The history settings the PyTorch allocators have (or will have): (entries, backtraces).
 #[pyfunction]
-fn torch_history_settings() -> (usize, bool) {
-    let c = global().effective_config();
-    (c.history, c.backtraces)
+fn torch_history_settings() -> PyResult<(usize, bool)> {
+    let c = global().effective_config().map_err(torch_err)?;
+    Ok((c.history, c.backtraces))
 }
 
 /// The leak report of `device` as a dict (see `Allocator.leak_report`).
@@ -192,7 +199,7 @@ fn torch_leak_report(py: Python<'_>, device_index: i64) -> PyResult<Bound<'_, Py
     let r = match global().get(d) {
         Some(slot) => leaks_of(&slot.alloc, None),
         None => {
-            let c = global().effective_config();
+            let c = global().effective_config().map_err(torch_err)?;
             LeakReport::from_allocations(c.leak_check, c.leak_check && c.backtraces, Vec::new())
         }
     };
