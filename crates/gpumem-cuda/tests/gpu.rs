@@ -102,6 +102,19 @@ fn the_backend_refuses_what_it_did_not_hand_out() {
     let h = b.mem_create(page).expect("create");
     b.mem_map(va, page, h).expect("map");
     b.set_access(va, page).expect("access");
+    // Only this backend's own reservations are mapped, unmapped or opened: refused before
+    // the driver is asked, so another library's mappings in the context are never touched.
+    let h2 = b.mem_create(page).expect("create");
+    assert!(
+        b.mem_map(va + 4 * page, page, h2).is_err(),
+        "map past the reservation"
+    );
+    assert!(
+        b.set_access(va + 3 * page, 2 * page).is_err(),
+        "access across its end"
+    );
+    assert!(b.mem_unmap(va - page, page).is_err(), "unmap before it");
+    b.mem_release(h2).expect("release the unmapped handle");
     assert!(b.mem_release(h).is_err(), "release while mapped");
     assert!(b.address_free(va, 4 * page).is_err(), "free while mapped");
     // Events: NOT_READY is "not yet", not an error; a recorded event completes.
