@@ -480,3 +480,36 @@ fn a_prealloc_beyond_the_cap_is_refused() {
         assert_eq!(a.memory_stats().reserved_bytes.all.current, 512 << 20);
     }
 }
+
+#[test]
+fn a_cap_under_one_page_is_refused_at_creation() {
+    // It would refuse every allocation: `fraction:1e-300` (0 bytes of an H200) and `cap:2`
+    // (two bytes) were accepted, then every request ran out of memory.
+    for (conf, needle) in [
+        ("fraction:1e-300", "a fraction of 1e-300"),
+        ("cap:2", "a cap of 2 bytes"),
+        ("cap:1MiB", "a cap of 1048576 bytes"),
+    ] {
+        for p in PolicyKind::ALL {
+            let (sim, _) = SimBackend::new(SimConfig::default());
+            let text = format!("policy:{},{conf}", p.name());
+            let e = Allocator::new(Box::new(sim), Config::parse(&text).unwrap())
+                .err()
+                .unwrap_or_else(|| panic!("{text}: accepted"))
+                .to_string();
+            assert!(
+                e.contains(needle) && e.contains("less than one"),
+                "{text}: {e}"
+            );
+        }
+    }
+    // One page is enough to serve.
+    let (sim, _) = SimBackend::new(SimConfig::default());
+    let a = Allocator::new(
+        Box::new(sim),
+        Config::parse("policy:caching,cap:2MiB").unwrap(),
+    )
+    .unwrap();
+    let x = a.allocate(4096, 0).unwrap();
+    a.free(x.ptr).unwrap();
+}

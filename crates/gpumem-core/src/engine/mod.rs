@@ -132,7 +132,26 @@ impl Allocator {
         {
             let mut d = device.lock();
             if let Some(cap) = config.cap {
-                d.set_cap(Some(cap.bytes(info.total_bytes)));
+                let bytes = cap.bytes(info.total_bytes);
+                // Every policy takes memory in pieces of at least a page (2 MiB segments or
+                // pages): a smaller cap would refuse every allocation.
+                if bytes < info.page_bytes {
+                    let given = match cap {
+                        crate::config::Amount::Fraction(f) => {
+                            format!(
+                                "a fraction of {f:e} of the device's {} bytes",
+                                info.total_bytes
+                            )
+                        }
+                        crate::config::Amount::Bytes(b) => format!("{b} bytes"),
+                    };
+                    return Err(AllocError::Config(format!(
+                        "a cap of {given} is less than one {}-byte page: it would refuse every \
+                         allocation",
+                        info.page_bytes
+                    )));
+                }
+                d.set_cap(Some(bytes));
             }
             if let Some(pre) = config.prealloc {
                 let mut bytes = pre.bytes(info.total_bytes);
