@@ -126,10 +126,9 @@ fn policies_of(given: &[PolicyKind], conf: &str) -> Result<Vec<PolicyKind>, Stri
 fn parse_bytes(s: &str) -> Result<u64, String> {
     match parse_size(s) {
         // Less than one 2 MiB page could hold nothing.
-        Some(b) if (2 << 20..=sim::MAX_TOTAL_BYTES).contains(&b) => Ok(b),
-        Some(b) if b > sim::MAX_TOTAL_BYTES => Err(format!(
-            "'{s}' is more than the 4 TiB gpumem simulates (the largest GPUs hold under 300 GB)"
-        )),
+        Some(b) if b >= 2 << 20 => sim::check_total_bytes(b)
+            .map(|()| b)
+            .map_err(|e| format!("'{s}': {e}")),
         Some(_) => Err(format!("'{s}' is smaller than one 2 MiB page")),
         None => Err(format!("'{s}' is not a size (e.g. 80GiB)")),
     }

@@ -310,32 +310,23 @@ fn replay_remap_sites_lists_the_sizes_that_remap() {
 #[test]
 fn absurd_arguments_are_refused_before_any_work() {
     let t = bundled_trace("validation/mlp.pickle.gz");
-    let out = gpumem()
-        .args(["replay", "--device-memory", "1"])
-        .arg(&t)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let e = String::from_utf8_lossy(&out.stderr);
+    // `gpumem replay ARGS TRACE`, which must fail: what it said.
+    let refused = |args: &[&str]| {
+        let out = gpumem().arg("replay").args(args).arg(&t).output().unwrap();
+        assert!(!out.status.success(), "{args:?} was accepted");
+        common::stderr(&out)
+    };
+    let e = refused(&["--device-memory", "1"]);
     assert!(e.contains("smaller than one 2 MiB page"), "{e}");
     // A device of 1,024 TiB once made the expandable policy ask for 8 GiB of page table.
-    let out = gpumem()
-        .args(["replay", "--device-memory", "1024TiB"])
-        .arg(&t)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("more than the 4 TiB gpumem simulates"), "{e}");
+    let e = refused(&["--device-memory", "1024TiB"]);
+    assert!(
+        e.contains("'1024TiB': 1125899906842624 bytes is more than the 4 TiB"),
+        "{e}"
+    );
     // A policy named in --conf is the one replayed, and one that -p contradicts is refused
     // (each run sets its own policy, so it was silently dropped).
-    let out = gpumem()
-        .args(["replay", "--conf", "policy:buddy", "-p", "caching"])
-        .arg(&t)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let e = String::from_utf8_lossy(&out.stderr);
+    let e = refused(&["--conf", "policy:buddy", "-p", "caching"]);
     assert!(
         e.contains("--conf names policy:buddy and -p names caching"),
         "{e}"
@@ -345,11 +336,7 @@ fn absurd_arguments_are_refused_before_any_work() {
         .arg(&t)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_succeeded(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["policy"], "buddy", "one policy's result: {v}");
     // A device index where the format holds one device: said, not silently dropped.
@@ -364,12 +351,8 @@ fn absurd_arguments_are_refused_before_any_work() {
         .arg(&csv)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let e = String::from_utf8_lossy(&out.stderr);
+    assert_succeeded(&out);
+    let e = common::stderr(&out);
     assert!(
         e.contains("--device-index 3 ignored: a rmm-csv trace"),
         "{e}"

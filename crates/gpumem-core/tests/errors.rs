@@ -369,15 +369,19 @@ fn text_logs_with_absurd_lines_are_errors() {
     assert!(e.to_string().contains("bad time"), "{e}");
 }
 
-#[test]
-fn what_a_replay_leaves_out_is_said() {
-    let ev = |kind, addr, size| trace::Event {
+/// A trace event on stream 0 at time 0.
+fn ev(kind: Kind, addr: u64, size: u64) -> trace::Event {
+    trace::Event {
         kind,
         stream: 0,
         addr,
         size,
         time_us: 0,
-    };
+    }
+}
+
+#[test]
+fn what_a_replay_leaves_out_is_said() {
     let t = trace::Trace {
         events: vec![
             ev(Kind::Alloc, 0x1000, 512),
@@ -417,13 +421,6 @@ fn what_a_replay_leaves_out_is_said() {
 
 #[test]
 fn traces_that_no_allocator_records_are_inconsistent_and_zero_bytes_are_not_blocks() {
-    let ev = |kind, addr, size| trace::Event {
-        kind,
-        stream: 0,
-        addr,
-        size,
-        time_us: 0,
-    };
     let t = |events| trace::Trace {
         events,
         meta: Default::default(),

@@ -296,6 +296,15 @@ pub(crate) fn parse_conf(text: &str) -> Result<Config, AllocError> {
     )
 }
 
+/// `GPUMEM_CONF`'s text and configuration, for allocators made without `install()`; the error
+/// names the variable.
+fn env_conf() -> Result<(String, Config), TorchError> {
+    let text = std::env::var("GPUMEM_CONF").unwrap_or_default();
+    let config =
+        parse_conf(&text).map_err(|e| TorchError::Other(format!("gpumem: GPUMEM_CONF: {e}")))?;
+    Ok((text, config))
+}
+
 /// c10's calls on a private pool (CUDA graphs, MemPools): see the engine's methods of the same
 /// names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -432,8 +441,7 @@ impl Registry {
         let setup = self.setup.lock();
         let config = match setup.config.clone() {
             Some(c) => c,
-            None => parse_conf(&std::env::var("GPUMEM_CONF").unwrap_or_default())
-                .map_err(|e| TorchError::Other(format!("gpumem: GPUMEM_CONF: {e}")))?,
+            None => env_conf()?.1,
         };
         Ok(with_history(config, setup.history))
     }
@@ -495,9 +503,7 @@ impl Registry {
         if setup.config.is_none() {
             // Loaded without gpumem.torch.install() (a hand-made CUDAPluggableAllocator):
             // the environment decides.
-            let text = std::env::var("GPUMEM_CONF").unwrap_or_default();
-            let config = parse_conf(&text)
-                .map_err(|e| TorchError::Other(format!("gpumem: GPUMEM_CONF: {e}")))?;
+            let (text, config) = env_conf()?;
             setup.conf_text = Some(text);
             setup.config = Some(config);
         }
