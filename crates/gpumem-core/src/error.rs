@@ -196,8 +196,13 @@ pub enum AllocError {
         /// The pointer given.
         ptr: u64,
     },
-    /// The pointer is the start of a block that is already free.
-    #[error("double free: pointer {ptr:#x} was already freed")]
+    /// The pointer is the start of a block that is already free. Almost always a second free;
+    /// telling that apart from a pointer never handed out that happens to start a free block
+    /// (the free rest of a split block) would need a record of past frees on the free path.
+    #[error(
+        "double free: pointer {ptr:#x} starts a block that is already free (freed before, or \
+         never handed out)"
+    )]
     DoubleFree {
         /// The pointer given.
         ptr: u64,

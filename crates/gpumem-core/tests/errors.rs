@@ -99,6 +99,25 @@ fn double_free_is_named_as_such() {
     assert!(e.to_string().contains("double free"));
 }
 
+#[test]
+fn a_never_handed_out_pointer_at_a_free_block_is_refused_and_the_message_allows_for_it() {
+    // The free rest of a split segment starts at an address gpumem never handed out; without a
+    // record of past frees it reads as a double free, so the message names both causes.
+    let a = allocator(PolicyKind::Native);
+    let x = a.allocate(1 << 20, 0).unwrap();
+    let rest = x.ptr + (1 << 20);
+    let e = a.free(rest).unwrap_err();
+    assert!(
+        matches!(e, AllocError::DoubleFree { ptr } if ptr == rest),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("never handed out"), "{e}");
+    // Nothing was lost: the real block frees and the pool is consistent.
+    a.free(x.ptr).unwrap();
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+    a.check().unwrap();
+}
+
 fn gz(bytes: &[u8]) -> Vec<u8> {
     let mut w = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     w.write_all(bytes).unwrap();
