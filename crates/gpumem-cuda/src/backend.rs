@@ -11,7 +11,7 @@ use crate::driver::{self, bind, check, check_named, cu_stream};
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::CudaContext;
 use gpumem_core::backend::{
-    Backend, DevPtr, DeviceInfo, DriverCall, EventHandle, PhysHandle, Stream,
+    inside_reservation, Backend, DevPtr, DeviceInfo, DriverCall, EventHandle, PhysHandle, Stream,
 };
 use gpumem_core::BackendError;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -358,17 +358,6 @@ impl CudaBackend {
 
 /// A new event of the current context (a `CUevent` as an integer), timing off, which makes
 /// events cheaper.
-/// Whether `[va, va + bytes)` (non-empty) lies inside one of `reservations` (start -> length).
-fn inside_reservation(reservations: &BTreeMap<DevPtr, u64>, va: DevPtr, bytes: u64) -> bool {
-    let Some(end) = va.checked_add(bytes).filter(|_| bytes > 0) else {
-        return false;
-    };
-    reservations
-        .range(..=va)
-        .next_back()
-        .is_some_and(|(&start, &len)| end <= start.saturating_add(len))
-}
-
 fn new_event() -> Result<u64, BackendError> {
     let mut e: sys::CUevent = std::ptr::null_mut();
     // SAFETY: `e` is a valid place for the new event; callers bind the context first.
@@ -683,32 +672,5 @@ impl Drop for CudaBackend {
                 errors.join("; ")
             );
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_ranges_inside_one_reservation_are_this_backends_own() {
-        const MB2: u64 = 2 << 20;
-        let mut r = BTreeMap::new();
-        r.insert(0x1000_0000, 8 * MB2);
-        r.insert(0x2000_0000, 2 * MB2);
-        // Inside: the whole reservation, its first and last pages.
-        assert!(inside_reservation(&r, 0x1000_0000, 8 * MB2));
-        assert!(inside_reservation(&r, 0x1000_0000, MB2));
-        assert!(inside_reservation(&r, 0x1000_0000 + 7 * MB2, MB2));
-        assert!(inside_reservation(&r, 0x2000_0000, 2 * MB2));
-        // Outside: past the end, before the first, in the gap, across two reservations.
-        assert!(!inside_reservation(&r, 0x1000_0000 + 7 * MB2, 2 * MB2));
-        assert!(!inside_reservation(&r, 0x0fe0_0000, MB2));
-        assert!(!inside_reservation(&r, 0x1800_0000, MB2));
-        assert!(!inside_reservation(&r, 0x1000_0000, 0x1000_0000 + 2 * MB2));
-        // Empty and overflowing ranges are never inside.
-        assert!(!inside_reservation(&r, 0x1000_0000, 0));
-        assert!(!inside_reservation(&r, u64::MAX - 10, MB2));
-        assert!(!inside_reservation(&BTreeMap::new(), 0x1000_0000, MB2));
     }
 }

@@ -308,6 +308,23 @@ pub fn reserve_alignment(align: u64, page: u64) -> Result<u64, BackendError> {
     }
 }
 
+/// Whether `[va, va + bytes)` (non-empty) lies inside one of `reservations` (start -> length):
+/// the check every backend makes before a map, unmap or access call, so that it only ever
+/// touches address space it reserved itself.
+pub fn inside_reservation(
+    reservations: &std::collections::BTreeMap<DevPtr, u64>,
+    va: DevPtr,
+    bytes: u64,
+) -> bool {
+    let Some(end) = va.checked_add(bytes).filter(|_| bytes > 0) else {
+        return false;
+    };
+    reservations
+        .range(..=va)
+        .next_back()
+        .is_some_and(|(&start, &len)| end <= start.saturating_add(len))
+}
+
 /// A device as the engine sees it. Implementations must not call back into the allocator.
 ///
 /// Sizes passed to the virtual-memory calls are multiples of [`DeviceInfo::page_bytes`], and
@@ -375,4 +392,32 @@ pub trait Backend: Send {
     /// Makes later work on `stream` wait for `event`.
     fn stream_wait_event(&mut self, stream: Stream, event: EventHandle)
         -> Result<(), BackendError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn only_ranges_inside_one_reservation_are_this_backends_own() {
+        const MB2: u64 = 2 << 20;
+        let mut r = BTreeMap::new();
+        r.insert(0x1000_0000, 8 * MB2);
+        r.insert(0x2000_0000, 2 * MB2);
+        // Inside: the whole reservation, its first and last pages.
+        assert!(inside_reservation(&r, 0x1000_0000, 8 * MB2));
+        assert!(inside_reservation(&r, 0x1000_0000, MB2));
+        assert!(inside_reservation(&r, 0x1000_0000 + 7 * MB2, MB2));
+        assert!(inside_reservation(&r, 0x2000_0000, 2 * MB2));
+        // Outside: past the end, before the first, in the gap, across two reservations.
+        assert!(!inside_reservation(&r, 0x1000_0000 + 7 * MB2, 2 * MB2));
+        assert!(!inside_reservation(&r, 0x0fe0_0000, MB2));
+        assert!(!inside_reservation(&r, 0x1800_0000, MB2));
+        assert!(!inside_reservation(&r, 0x1000_0000, 0x1000_0000 + 2 * MB2));
+        // Empty and overflowing ranges are never inside.
+        assert!(!inside_reservation(&r, 0x1000_0000, 0));
+        assert!(!inside_reservation(&r, u64::MAX - 10, MB2));
+        assert!(!inside_reservation(&BTreeMap::new(), 0x1000_0000, MB2));
+    }
 }

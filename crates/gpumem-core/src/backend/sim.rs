@@ -280,12 +280,7 @@ impl SimBackend {
                 format!("range {va:#x}+{bytes} is not aligned to the {p}-byte page"),
             ));
         }
-        let inside = self
-            .reservations
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(&start, &len)| va + bytes <= start + len);
-        if !inside {
+        if !super::inside_reservation(&self.reservations, va, bytes) {
             return Err(BackendError::new(
                 call,
                 format!("range {va:#x}+{bytes} is not inside a reserved virtual range"),
