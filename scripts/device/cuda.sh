@@ -100,7 +100,11 @@ stage "bench torch" "$OUT/bench_torch.log" \
 #     costs here, beside what the CUDA backend's runs above read (no driver call is made in
 #     either's timed runs once warm). `slack:0.1` as the CUDA runs reach it: on the GPU the remap
 #     budget raises stitched's spare pages during the warm-up; the simulated driver is too fast
-#     to trip it, and stitched would remap in every timed run instead.
+#     to trip it, and stitched would remap in every timed run instead. It runs after the CUDA
+#     stages, not interleaved with them, so a host that changes speed in between shows in the
+#     ratio (session 43: 0.62-0.87x, where interleaved rounds read the two alike). For a
+#     question about the backend's cost, alternate the two in rounds (BENCHMARKS.md §4,
+#     session 43).
 stage "bench alloc sim" "$OUT/bench_sim.log" "$BIN" bench alloc --sim --threads 1 --conf slack:0.1 \
     -p caching -p buddy -p stitched --case same_1MiB --case random_512B_64MiB_live500 \
     --case random_512B_1MiB_live2000 --json-out "$OUT/bench_sim.jsonl"
@@ -147,7 +151,8 @@ for f in sorted(glob.glob(os.path.join(out, "replay_*.jsonl"))):
 print("\ngpumem bench alloc targets:")
 for l in tail(os.path.join(out, "bench_gpumem.log"), r"^targets|^  gpumem:"):
     print("  " + l.strip())
-print("\nsame host, CUDA backend against the simulated device (ns per op, one thread):")
+print("\nsame host, CUDA backend against the simulated device (ns per op, one thread; run one after\n"
+      "the other, so the ratio also carries any change of the host's speed between them):")
 def rows(name):
     try:
         return {(m["case"], m["allocator"]): m["ns_per_op"]
