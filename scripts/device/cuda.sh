@@ -153,13 +153,13 @@ for l in tail(os.path.join(out, "bench_gpumem.log"), r"^targets|^  gpumem:"):
     print("  " + l.strip())
 print("\nsame host, CUDA backend against the simulated device (ns per op, one thread; run one after\n"
       "the other, so the ratio also carries any change of the host's speed between them):")
-def rows(name):
+def ns_by_case(name):
     try:
         return {(m["case"], m["allocator"]): m["ns_per_op"]
                 for m in map(json.loads, open(os.path.join(out, name))) if m["threads"] == 1}
     except (OSError, ValueError):
         return {}
-cuda, sim = rows("bench_gpumem.jsonl"), rows("bench_sim.jsonl")
+cuda, sim = ns_by_case("bench_gpumem.jsonl"), ns_by_case("bench_sim.jsonl")
 print(f"  {'case':<28}{'allocator':<18}{'cuda':>9}{'sim':>9}{'ratio':>8}")
 for key in sorted(sim):
     if key in cuda:
