@@ -9,8 +9,8 @@
 # Method: `gpumem replay TRACE -p stitched --cold-kib 2048` writes 2 MiB of other memory
 # before every allocation and free; callgrind simulates a 1 MiB last-level cache, so every
 # line the engine touches in a call misses there unless the same call touched it before.
-# Inclusive counts of the engine's `Allocator::place` and free (`free_allocation`, or
-# `free_on` with --free-by-address), less `PagePool::claim_slow` (the pool growing), divided by
+# Inclusive counts of the engine's `Allocator::place` and of the replay's `free_one`
+# (`free_allocation`, or `free_on` with --free-by-address), less `PagePool::claim_slow` (the pool growing), divided by
 # the trace's allocations: instructions, first-level data misses and last-level data misses
 # (the lines of data the pair touches), and first-level instruction misses (the code's lines:
 # callgrind's instruction cache is not cleared between calls, so these count code evicted by

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The engine's inclusive cost per allocation in a replay under callgrind, read from
-`callgrind_annotate --inclusive=yes` on stdin: `Allocator::place`, the frees
-(`free_allocation`, or `free_on` when the replay frees by address) and `PagePool::claim_slow`
-(mapping pages while the pool grows), each divided by the trace's allocations. Shared by
+`callgrind_annotate --inclusive=yes` on stdin: `Allocator::place`, the frees (the replay's
+`free_one`, which calls `free_allocation`, or `free_on` when the replay frees by address) and
+`PagePool::claim_slow` (mapping pages while the pool grows), each divided by the trace's
+allocations. Exits with an error if the place or the free is not in the annotation. Shared by
 scripts/instr_replay.sh and scripts/cold_replay.sh, which print it their own way.
 
     callgrind_annotate ... | python3 scripts/engine_cost.py ALLOCS EVENTS
@@ -14,8 +15,10 @@ import json
 import re
 import sys
 
-WANTED = {"engine::Allocator::place": "place", "engine::Allocator::free_allocation": "free",
-          "engine::Allocator::free_on": "free", "PagePool::claim_slow": "claim_slow"}
+WANTED = {"engine::Allocator::place": "place", "replay::free_one": "free",
+          "PagePool::claim_slow": "claim_slow"}
+# Must be found: a replay always places and frees (claim_slow may never run).
+REQUIRED = ("place", "free")
 
 
 def engine_costs(lines, allocs, events):
@@ -32,6 +35,11 @@ def engine_costs(lines, allocs, events):
         for name, key in WANTED.items():
             if m.group(events + 1).endswith(name) and v[0] > found.get(key, [0])[0]:
                 found[key] = v
+    missing = [k for k in REQUIRED if k not in found]
+    if missing:
+        # A renamed or inlined function would otherwise read as a cost of 0.
+        sys.exit(f"engine_cost.py: no line names {missing} in the annotation "
+                 f"(looked for {sorted(WANTED)})")
     return {k: [x / allocs for x in found.get(k, [0] * events)] for k in WANTED.values()}
 
 

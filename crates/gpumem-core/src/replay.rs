@@ -311,6 +311,18 @@ fn free_completed(
     block
 }
 
+/// Frees one of the replay's blocks: by address as PyTorch's free hook does, or by the
+/// allocation's handle. Never inlined, so that a profile of a replay shows the engine's cost of
+/// a free apart from the replay's own bookkeeping (scripts/engine_cost.py reads it).
+#[inline(never)]
+fn free_one(alloc: &Allocator, a: &Allocation, by_address: bool) -> Result<(), AllocError> {
+    if by_address {
+        alloc.free_on(a.ptr, a.stream)
+    } else {
+        alloc.free_allocation(a)
+    }
+}
+
 /// A function given every block the replay allocates (address, bytes, the trace's stream): the
 /// CUDA replay writes into them, on the stream standing for the trace's.
 pub type TouchFn<'a> = &'a (dyn Fn(u64, u64, Stream) + Sync);
@@ -338,11 +350,7 @@ pub fn replay_on(
     };
     let free = |alloc: &Allocator, a: &Allocation| {
         cool();
-        if by_address {
-            alloc.free_on(a.ptr, a.stream)
-        } else {
-            alloc.free_allocation(a)
-        }
+        free_one(alloc, a, by_address)
     };
     let fidelity_wanted = policy == PolicyKind::Native && trace.has_segment_events();
     if fidelity_wanted {
