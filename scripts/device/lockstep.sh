@@ -20,6 +20,8 @@
 #   ResNet-50 training (16 steps) and the Llama decoder (8 generations of 5-7 s a side), both
 #   processes on CPUs 4-7; not part of `both`. Session 29 timed them once each (GPT-2 and the
 #   decoder unpinned and with PyTorch first only); this part times them pinned in both orders.
+#   SINGLE=... picks the workloads and their steps (default "gpt2_train:16 resnet50_train:16
+#   llama_decode:8"; e.g. SINGLE=llama_decode:8 for more decoder generations in one call).
 # Each part's JSON lines go to $OUT/<part>/lockstep.jsonl, pooled at the end (`--pool`: the
 # pooled median of step ratios with its interval over steps and over whole runs; judge a target
 # by the second). Pool several calls' files the same way (earlier calls' files are kept in
@@ -60,7 +62,7 @@ if [[ $PART == single ]]; then
     # collect in single/lockstep.jsonl as they end.
     mkdir -p "$OUT/single"
     for ((r = 1; r <= ROUNDS; r++)); do
-        for w in gpt2_train:16 resnet50_train:16 llama_decode:8; do
+        for w in ${SINGLE:-gpt2_train:16 resnet50_train:16 llama_decode:8}; do
             d="$OUT/single/${w%%:*}-$r"
             python3 scripts/lockstep_steps.py --workloads "${w%%:*}" --steps "${w##*:}" \
                 --cpus 4-7 --pairs "$PAIRS" --repeat 1 --out "$d" >> "$OUT/single.log" 2>&1 || rc=1
