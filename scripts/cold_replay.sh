@@ -10,11 +10,11 @@
 # before every allocation and free; callgrind simulates a 1 MiB last-level cache, so every
 # line the engine touches in a call misses there unless the same call touched it before.
 # Inclusive counts of the engine's `Allocator::place` and of the replay's `free_one`
-# (`free_allocation`, or `free_on` with --free-by-address), less `PagePool::claim_slow` (the pool growing), divided by
-# the trace's allocations: instructions, first-level data misses and last-level data misses
-# (the lines of data the pair touches), and first-level instruction misses (the code's lines:
-# callgrind's instruction cache is not cleared between calls, so these count code evicted by
-# the engine's own calls only; a real step evicts more).
+# (`free_allocation`, or `free_on` with --free-by-address), less `PagePool::claim_slow` (the
+# pool growing), divided by the trace's allocations: instructions, first-level data misses
+# and last-level data misses (the lines of data the pair touches), and first-level
+# instruction misses (the code's lines: callgrind's instruction cache is not cleared between
+# calls, so these count code evicted by the engine's own calls only; a real step evicts more).
 #
 # Deterministic for one binary, but a change that moves the heap's layout (a structure's size)
 # moves the count by up to about 2 lines a pair on its own (BENCHMARKS.md §3, session 33).

@@ -6,10 +6,10 @@
 #
 # Method: callgrind's inclusive counts of the engine's `Allocator::place` and of the replay's
 # `free_one` (`Allocator::free_allocation`, or `Allocator::free_on` with --free-by-address,
-# which frees as PyTorch's hooks do; kept out of line so that its cost shows), less `PagePool::claim_slow` (mapping pages while the pool grows,
-# which a settled step does not do), divided by the trace's allocations. Loading and checking
-# the trace are left out by construction. Two builds of the same code differ by up to about 50
-# per pair (code layout).
+# which frees as PyTorch's hooks do; kept out of line so that its cost shows), less
+# `PagePool::claim_slow` (mapping pages while the pool grows, which a settled step does not
+# do), divided by the trace's allocations. Loading and checking the trace are left out by
+# construction. Two builds of the same code differ by up to about 50 per pair (code layout).
 #
 # Usage, from the repository root (needs valgrind; cargo build --release first):
 #     bash scripts/instr_replay.sh BINARY TRACE [REPLAY ARGS...]
