@@ -154,17 +154,19 @@ impl Bins {
     }
 
     fn remove(&mut self, id: u32) {
-        let Node { prev, next, .. } = self.nodes[id as usize + CLASSES];
+        let Node {
+            prev, next, size, ..
+        } = self.nodes[id as usize + CLASSES];
         self.nodes[prev as usize].next = next;
         self.nodes[next as usize].prev = prev;
-        // Neighbours the same on both sides: the block was alone, between its head and itself.
-        if prev == next {
-            let (fl, sl) = (prev as usize / SL_COUNT, prev as usize % SL_COUNT);
-            self.sl_bits[fl] &= !(1 << sl);
-            if self.sl_bits[fl] == 0 {
-                self.fl_bits &= !(1 << fl);
-            }
-        }
+        // Neighbours the same on both sides: the block was alone, between its head and itself,
+        // and its class is now empty. The bits are cleared without a branch: whether a block
+        // was alone is as random as the sizes, and a mispredicted branch costs more than
+        // finding the class again.
+        let (fl, sl) = class(size);
+        let alone = u32::from(prev == next);
+        self.sl_bits[fl] &= !(alone << sl);
+        self.fl_bits &= !(u64::from(self.sl_bits[fl] == 0) << fl);
         self.len -= 1;
     }
 
