@@ -13,7 +13,12 @@
 # Optional: CASES, a list of "policy[ --conf ...]|case|allocations" entries (default below:
 # stitched with --conf slack:0.1 on the 64 MiB case, so that its timed runs make no driver
 # calls, as on the GPU once the remap budget has raised spare pages).
-# Prints one line per binary: instructions per pair for each entry, in order.
+# Optional: BRANCHES=1 also counts mispredicted branches per pair (cachegrind's branch model,
+# a simple one: use it to find where, and time the change to decide). A mispredicted branch
+# per pair was worth about 4 ns per operation on dev in session 45, far more than the
+# instructions around it (BENCHMARKS.md §4).
+# Prints one line per binary: instructions per pair for each entry, in order (with
+# BRANCHES=1, "instructions/mispredicts").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "instr_alloc.sh: valgrind is not installed" >&2; exit 2; }
@@ -32,11 +37,14 @@ else
     cases=("${DEFAULT_CASES[@]}")
 fi
 
-count() { # binary, policy args, runs, case -> instructions of the whole process
+count() { # binary, policy args, runs, case -> instructions [mispredicts] of the whole process
+    local branch=no
+    [[ -n "${BRANCHES:-}" ]] && branch=yes
     # shellcheck disable=SC2086  # the policy entry is a list of arguments
-    valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null \
+    valgrind --tool=cachegrind --cache-sim=no --branch-sim=$branch --cachegrind-out-file=/dev/null \
         "$1" bench alloc --sim -p $2 --threads 1 --runs "$3" --case "$4" 2>&1 >/dev/null \
-        | awk '/I *refs/ {gsub(",", "", $NF); print $NF}'
+        | awk '/I *refs/ {gsub(",", "", $NF); i = $NF} /Mispredicts:/ && !m {gsub(",", "", $3); m = $3}
+               END {print i, m}'
 }
 
 echo "instructions per alloc/free pair, timed loop:"
@@ -49,10 +57,15 @@ for bin in "$@"; do
     line="$bin:"
     for e in "${cases[@]}"; do
         IFS='|' read -r p c n <<< "$e"
-        a=$(count "$bin" "$p" 1 "$c")
-        b=$(count "$bin" "$p" 3 "$c")
+        read -r a am <<< "$(count "$bin" "$p" 1 "$c")"
+        read -r b bm <<< "$(count "$bin" "$p" 3 "$c")"
         [[ -n "$a" && -n "$b" ]] || { echo "instr_alloc.sh: no count for $p $c" >&2; exit 1; }
-        line="$line $(awk -v a="$a" -v b="$b" -v n="$n" 'BEGIN { printf "%.0f", (b - a) / 2 / n }')"
+        cell=$(awk -v a="$a" -v b="$b" -v n="$n" 'BEGIN { printf "%.0f", (b - a) / 2 / n }')
+        if [[ -n "${BRANCHES:-}" ]]; then
+            [[ -n "$am" && -n "$bm" ]] || { echo "instr_alloc.sh: no branch count for $p $c" >&2; exit 1; }
+            cell="$cell/$(awk -v a="$am" -v b="$bm" -v n="$n" 'BEGIN { printf "%.2f", (b - a) / 2 / n }')"
+        fi
+        line="$line $cell"
     done
     echo "$line"
 done
