@@ -1,5 +1,5 @@
 //! Address -> block id of a [`super::blocks::BlockSet`]'s live blocks: a hash table with open
-//! addressing and linear probing, kept at most an eighth full.
+//! addressing and linear probing, kept at most an eighth full (half full past a million slots).
 //!
 //! Every allocation inserts one address and every release removes one, so this table is on the
 //! hot path twice per allocate/free pair. A general hash map (hashbrown) costs about 60
@@ -15,7 +15,10 @@
 //! (500 blocks live) that took stitched from 69.2 to 59.1 ns per operation on the dev machine,
 //! and 11.3 to 9.0 mispredicted branches per allocate/free pair by cachegrind's model
 //! (BENCHMARKS.md §4, session 45). The price is host memory: 16-byte slots, so 128 to 256 bytes
-//! per live block (a workload with 100,000 live blocks: 13-26 MB).
+//! per live block (a workload with 100,000 live blocks: 13-26 MB). Past a million slots (16 MiB,
+//! 131,072 live blocks) the table grows at half full again, as before, so that a program with
+//! millions of live blocks holds 32-64 bytes per block rather than 256: a table that size is
+//! out of the CPU's caches anyway, and its misses cost more than its probes.
 
 /// An empty slot's key: no block starts there (addresses are multiples of 512).
 const EMPTY: u64 = u64::MAX;
@@ -23,8 +26,10 @@ const EMPTY: u64 = u64::MAX;
 /// Slots of a new table (a power of two).
 const MIN_SLOTS: usize = 64;
 
-/// The table holds at most one key per this many slots.
+/// The table holds at most one key per this many slots ...
 const MAX_LOAD_INV: usize = 8;
+/// ... until it has this many slots; then at most one per two.
+const BIG_SLOTS: usize = 1 << 20;
 
 #[derive(Clone, Copy)]
 struct Slot {
@@ -41,6 +46,8 @@ pub(crate) struct LiveMap {
     mask: usize,
     /// 64 minus log2 of the slot count: the hash's top bits pick the slot.
     shift: u32,
+    /// Keys it holds before it grows (see [`MAX_LOAD_INV`]).
+    max_len: usize,
     len: usize,
 }
 
@@ -55,6 +62,11 @@ impl LiveMap {
             slots: vec![VACANT; n],
             mask: n - 1,
             shift: 64 - n.trailing_zeros(),
+            max_len: if n < BIG_SLOTS {
+                n / MAX_LOAD_INV
+            } else {
+                n / 2
+            },
             len: 0,
         }
     }
@@ -94,7 +106,7 @@ impl LiveMap {
         debug_assert_ne!(addr, EMPTY);
         // At most an eighth full, so that probes mostly end at the first slot (see the module
         // comment) and an empty slot always ends them.
-        if MAX_LOAD_INV * (self.len + 1) > self.slots.len() {
+        if self.len == self.max_len {
             self.grow();
         }
         let mut i = self.home(addr);
@@ -237,5 +249,25 @@ mod tests {
         assert!(d < 0.12, "mean displacement {d:.3} slots");
         // And every key is still found.
         assert!(stored.keys().all(|&a| m.get(a) == Some(0)));
+    }
+
+    #[test]
+    fn grows_at_half_full_past_a_million_slots() {
+        // An eighth full up to 2^20 slots (131,072 keys), then half full: 300,000 keys stay in
+        // 2^20 slots (29 % full) instead of taking 2^22 (64 MiB).
+        let mut m = LiveMap::new();
+        for i in 0..300_000u64 {
+            m.insert(0x7f00_0000_0000 + i * 4096, i as u32);
+        }
+        assert_eq!(m.slots.len(), BIG_SLOTS);
+        assert_eq!(m.len(), 300_000);
+        for i in (0..300_000u64).step_by(997) {
+            assert_eq!(m.get(0x7f00_0000_0000 + i * 4096), Some(i as u32));
+        }
+        // Past half full it grows again.
+        for i in 300_000..=524_288u64 {
+            m.insert(0x7f00_0000_0000 + i * 4096, i as u32);
+        }
+        assert_eq!(m.slots.len(), 2 * BIG_SLOTS);
     }
 }
