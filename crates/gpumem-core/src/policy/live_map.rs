@@ -15,7 +15,7 @@
 //! (500 blocks live) that took stitched from 69.2 to 59.1 ns per operation on the dev machine,
 //! and 11.3 to 9.0 mispredicted branches per allocate/free pair by cachegrind's model
 //! (BENCHMARKS.md §4, session 45). The price is host memory: 16-byte slots, so 128 to 256 bytes
-//! per live block (a workload with 100,000 live blocks: 13-26 MB). Past a million slots (16 MiB,
+//! per live block (a workload with 100,000 live blocks: 16 MB). Past a million slots (16 MiB,
 //! 131,072 live blocks) the table grows at half full again, as before, so that a program with
 //! millions of live blocks holds 32-64 bytes per block rather than 256: a table that size is
 //! out of the CPU's caches anyway, and its misses cost more than its probes.
