@@ -37,11 +37,12 @@ else
     cases=("${DEFAULT_CASES[@]}")
 fi
 
+branch_sim=no
+[[ -n "${BRANCHES:-}" ]] && branch_sim=yes
+
 count() { # binary, policy args, runs, case -> instructions [mispredicts] of the whole process
-    local branch=no
-    [[ -n "${BRANCHES:-}" ]] && branch=yes
     # shellcheck disable=SC2086  # the policy entry is a list of arguments
-    valgrind --tool=cachegrind --cache-sim=no --branch-sim=$branch --cachegrind-out-file=/dev/null \
+    valgrind --tool=cachegrind --cache-sim=no --branch-sim=$branch_sim --cachegrind-out-file=/dev/null \
         "$1" bench alloc --sim -p $2 --threads 1 --runs "$3" --case "$4" 2>&1 >/dev/null \
         | awk '/I *refs/ {gsub(",", "", $NF); i = $NF} /Mispredicts:/ && !m {gsub(",", "", $3); m = $3}
                END {print i, m}'
@@ -61,7 +62,7 @@ for bin in "$@"; do
         read -r b bm <<< "$(count "$bin" "$p" 3 "$c")"
         [[ -n "$a" && -n "$b" ]] || { echo "instr_alloc.sh: no count for $p $c" >&2; exit 1; }
         cell=$(awk -v a="$a" -v b="$b" -v n="$n" 'BEGIN { printf "%.0f", (b - a) / 2 / n }')
-        if [[ -n "${BRANCHES:-}" ]]; then
+        if [[ $branch_sim == yes ]]; then
             [[ -n "$am" && -n "$bm" ]] || { echo "instr_alloc.sh: no branch count for $p $c" >&2; exit 1; }
             cell="$cell/$(awk -v a="$am" -v b="$bm" -v n="$n" 'BEGIN { printf "%.2f", (b - a) / 2 / n }')"
         fi

@@ -46,7 +46,8 @@ pub(crate) struct LiveMap {
     mask: usize,
     /// 64 minus log2 of the slot count: the hash's top bits pick the slot.
     shift: u32,
-    /// Keys it holds before it grows (see [`MAX_LOAD_INV`]).
+    /// Keys it holds before it grows (see [`MAX_LOAD_INV`] and [`BIG_SLOTS`]), fixed with the
+    /// slot count so that an insertion only compares.
     max_len: usize,
     len: usize,
 }
@@ -104,8 +105,8 @@ impl LiveMap {
     #[inline]
     pub(crate) fn insert(&mut self, addr: u64, id: u32) {
         debug_assert_ne!(addr, EMPTY);
-        // At most an eighth full, so that probes mostly end at the first slot (see the module
-        // comment) and an empty slot always ends them.
+        // At most `max_len` keys (an eighth full, half past `BIG_SLOTS`), so that probes mostly
+        // end at the first slot (see the module comment) and an empty slot always ends them.
         if self.len == self.max_len {
             self.grow();
         }
