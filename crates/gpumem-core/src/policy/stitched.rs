@@ -49,9 +49,18 @@ use crate::device::{Device, DeviceState};
 use crate::error::BackendError;
 use crate::stats::{MemoryStats, Pool};
 use crate::units::MIN_BLOCK;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// A stream's page list lock: a spin lock whose waiters yield the CPU, as the engine's shard
+/// lock. Its unlock is a plain store, where a parking mutex's is a second locked instruction;
+/// a quarter of the allocations and frees on random sizes take it, and on the H100 hosts the
+/// locked instructions were a measurable part of the stitched policy's cost (session 46: 98.7
+/// -> 93.0 ns per op pinned, against 91.9 with no lock at all). A waiter spins only while
+/// another stream's slow path holds every list (`PagePool::lock_all`), yielding meanwhile.
+type LocalLock = spin::mutex::SpinMutex<Local, spin::relax::Yield>;
+type LocalGuard<'a> = spin::mutex::SpinMutexGuard<'a, Local, spin::relax::Yield>;
 
 const NONE: u32 = u32::MAX;
 
@@ -195,7 +204,7 @@ struct ShardPages {
     /// Cleared when a stream's range becomes the shared one (written under the pool's lock,
     /// which every reader holds).
     lends: AtomicBool,
-    local: Mutex<Local>,
+    local: LocalLock,
 }
 
 struct Pages {
@@ -391,7 +400,7 @@ pub struct PageCounters {
 
 /// Every stream's list locked, in index order.
 struct AllLocals<'a> {
-    guards: Vec<MutexGuard<'a, Local>>,
+    guards: Vec<LocalGuard<'a>>,
 }
 
 impl PagePool {
@@ -543,7 +552,7 @@ impl PagePool {
             stream,
             base,
             lends: AtomicBool::new(lends),
-            local: Mutex::new(local),
+            local: LocalLock::new(local),
         });
         p.shards.push(sh.clone());
         self.streams.store(p.shards.len() as u64, Ordering::Relaxed);
@@ -563,7 +572,7 @@ impl PagePool {
         &self,
         me: u32,
         mine: &ShardPages,
-        mut l: MutexGuard<'_, Local>,
+        mut l: LocalGuard<'_>,
         dev: &Device,
         scratch: &ClaimScratch,
         order: &mut Order,
@@ -1830,15 +1839,16 @@ impl Stitched {
         scratch.fast.clear();
         scratch.moved.clear();
         // The stream's page list is locked at the first page this block is the first to touch
-        // (none: no lock at all), and pages are taken back as they are counted.
-        let mut local: Option<MutexGuard<'_, Local>> = None;
-        for v in range.clone() {
-            let t = &mut self.touch[v];
+        // (none: no lock at all), and pages are taken back as they are counted. The counts are
+        // walked as one slice, numbered alongside, so that `touch` is bounds-checked once per
+        // block rather than once per page.
+        let mut local: Option<LocalGuard<'_>> = None;
+        for (v, t) in (range.start as u32..).zip(&mut self.touch[range.clone()]) {
             *t += 1;
             if *t == 1 {
                 local
                     .get_or_insert_with(|| sp.local.lock())
-                    .take_idle(v as u32, scratch);
+                    .take_idle(v, scratch);
             }
         }
         let Some(l) = local else {
@@ -1874,22 +1884,22 @@ impl Stitched {
             .pages
             .as_ref()
             .expect("initialised with the first allocation");
-        let mut local: Option<(MutexGuard<'_, Local>, u64)> = None;
+        let pool = &self.pool;
+        let mut local: Option<(LocalGuard<'_>, u64)> = None;
         let mut n = 0;
-        for v in range {
-            let t = &mut self.touch[v];
+        for (v, t) in (range.start as u32..).zip(&mut self.touch[range]) {
             *t -= 1;
             if *t == 0 {
                 let (l, epoch) = local.get_or_insert_with(|| {
                     let l = sp.local.lock();
-                    (l, self.pool.epoch_now())
+                    (l, pool.epoch_now())
                 });
-                l.let_go(v as u32, *epoch);
+                l.let_go(v, *epoch);
                 n += 1;
             }
         }
         if let Some((mut l, _)) = local {
-            self.mark_due |= self.pool.released(&mut l, n);
+            self.mark_due |= pool.released(&mut l, n);
         }
     }
 }
