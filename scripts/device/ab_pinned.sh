@@ -24,6 +24,7 @@ OUT=${OUT:-$PWD/out/ab_pinned}
 ROUNDS=${ROUNDS:-8}
 CPU=${CPU:-3}
 CASES=${CASES:-random_512B_64MiB_live500}
+EXTRA=${EXTRA:-}
 [[ -n "${BINS:-}" ]] || { echo "ab_pinned.sh: set BINS to \"name:binary ...\"" >&2; exit 2; }
 for nb in $BINS; do
     [[ -x "${nb#*:}" ]] || { echo "ab_pinned.sh: ${nb#*:} is not an executable" >&2; exit 2; }

@@ -349,9 +349,9 @@ pub struct PolicyOptions {
     pub spill: shared_range::Spill,
     /// Stitched, with several streams: the share of the time that moving idle pages from one
     /// stream to another may take. Once the driver time of the slow paths that took pages
-    /// from other streams exceeds it over a window of at least [`TRADE_WINDOW_US`], the
-    /// streams stop taking each other's pages and keep their own peaks, as with
-    /// `own_stream_peaks`. Infinite: never.
+    /// from other streams exceeds it over a window of at least [`TRADE_WINDOW_US`] (or, before
+    /// the window's end, exceeds that share of a whole window), the streams stop taking each
+    /// other's pages and keep their own peaks, as with `own_stream_peaks`. Infinite: never.
     pub trade_budget: f64,
     /// Stitched: the share of the time that remapping (pointing a virtual page whose physical
     /// page is in use elsewhere at another one: wait, unmap, map, set access) may take. After
