@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Instructions per alloc/free pair in `gpumem bench alloc`'s timed loop, on the simulated
 # device: the measure of small changes to the allocation path, which the GPU machine's timing
-# noise hides (see scripts/device/ab_alloc.sh). Deterministic: the same binary gives the same
+# noise hides (see scripts/device/ab_pinned.sh). Deterministic: the same binary gives the same
 # count to within a few instructions.
 #
 # Method: valgrind's cachegrind counts every instruction of the process at --runs 1 and at

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Superseded by scripts/device/ab_pinned.sh (the builds pinned to one CPU, any number of them,
+# caching as a control); kept because BENCHMARKS.md §4 (sessions 12-13) names its commands.
+#
 # Allocation latency, old binary against new, on one machine in one call: ROUNDS interleaved
 # rounds, each running `gpumem bench alloc` with the old binary and then the new one (so host
 # noise that drifts over minutes hits both alike), and a table of every (policy, case) as

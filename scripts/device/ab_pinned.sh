@@ -5,14 +5,15 @@
 # minutes. Each round runs every build once per case, `bench alloc -p caching -p stitched
 # --threads 1 --runs 9 --no-baselines`, under `taskset -c CPU`; caching is measured alongside as
 # a control (a change to stitched should leave it alone, so its drift between builds shows the
-# noise). With MT=1, each round also runs the multi-thread case (`--threads 1,2,4,8 --runs 5`,
+# noise). POLICIES changes the policies measured (e.g. "buddy caching stitched" to check that a
+# change to the engine slowed none of them). With MT=1, each round also runs the multi-thread case (`--threads 1,2,4,8 --runs 5`,
 # unpinned: the threads need CPUs of their own).
 #
 # Usage, from the repository root on the GPU machine (binaries built on the development
 # machine, stripped with `strip --strip-debug`, carried in the git-ignored .device/):
 #     BINS="main:.device/gpumem.main new:target/release/gpumem" OUT=/some/dir \
 #         bash scripts/device/ab_pinned.sh
-# Optional: ROUNDS (8), CPU (3), CASES (default: the 64 MiB random case; any of `bench alloc
+# Optional: ROUNDS (8), CPU (3), POLICIES ("caching stitched"), CASES (default: the 64 MiB random case; any of `bench alloc
 # --case`), MT, MT_CPUS (taskset list for the multi-thread case, default all), EXTRA (more
 # `bench alloc` arguments, e.g. --sim to try the script without a GPU).
 #
@@ -25,6 +26,8 @@ ROUNDS=${ROUNDS:-8}
 CPU=${CPU:-3}
 CASES=${CASES:-random_512B_64MiB_live500}
 EXTRA=${EXTRA:-}
+pflags=()
+for p in ${POLICIES:-caching stitched}; do pflags+=(-p "$p"); done
 [[ -n "${BINS:-}" ]] || { echo "ab_pinned.sh: set BINS to \"name:binary ...\"" >&2; exit 2; }
 for nb in $BINS; do
     [[ -x "${nb#*:}" ]] || { echo "ab_pinned.sh: ${nb#*:} is not an executable" >&2; exit 2; }
@@ -39,13 +42,13 @@ for r in $(seq "$ROUNDS"); do
         n=${nb%%:*} b=${nb#*:}
         for c in $CASES; do
             # shellcheck disable=SC2086  # EXTRA is a list of arguments
-            taskset -c "$CPU" "$b" bench alloc -p caching -p stitched --threads 1 --case "$c" \
+            taskset -c "$CPU" "$b" bench alloc "${pflags[@]}" --threads 1 --case "$c" \
                 --runs 9 --no-baselines $EXTRA --json-out "$OUT/$n.r$r.$c.jsonl" \
                 > "$OUT/$n.r$r.$c.txt" 2>&1 || echo "ab_pinned.sh: $n round $r $c failed" >&2
         done
         if [[ -n "${MT:-}" ]]; then
             # shellcheck disable=SC2086
-            taskset -c "${MT_CPUS:-0-$(($(nproc) - 1))}" "$b" bench alloc -p caching -p stitched \
+            taskset -c "${MT_CPUS:-0-$(($(nproc) - 1))}" "$b" bench alloc "${pflags[@]}" \
                 --threads 1,2,4,8 --case mt_random_512B_1MiB_live200 --runs 5 --no-baselines \
                 $EXTRA --json-out "$OUT/$n.r$r.mt.jsonl" > "$OUT/$n.r$r.mt.txt" 2>&1 \
                 || echo "ab_pinned.sh: $n round $r multi-thread failed" >&2
