@@ -196,3 +196,28 @@ fn largest_obtainable_is_what_the_next_allocation_can_get() {
         }
     }
 }
+
+/// A stitched request that took pages back from its stream's idle list and then found no
+/// room for the rest puts them back: the retry can release them, and no page is lost to later
+/// requests.
+#[test]
+fn a_failed_stitched_request_loses_no_idle_page() {
+    let a = allocator(GIB, 0, "policy:stitched,fraction:0.25");
+    let p = a.allocate(64 * MIB, 0).unwrap();
+    a.free_allocation(&p).unwrap();
+    assert_eq!(a.held_bytes(), 64 * MIB);
+    // 300 MiB lands where the 64 MiB were: it takes their 32 idle pages back, then needs 118
+    // more under a cap of 128 pages.
+    let r = oom(a.allocate(300 * MIB, 0).unwrap_err());
+    assert_eq!(r.cap, Some(GIB / 4));
+    a.check().unwrap();
+    // The retry released the idle pages: none is held by a failed request.
+    assert_eq!(a.held_bytes(), 0);
+    // All 128 pages of the cap are there for the next request.
+    let q = a
+        .allocate(256 * MIB, 0)
+        .expect("the whole cap is obtainable");
+    assert_eq!(a.held_bytes(), 256 * MIB);
+    a.free_allocation(&q).unwrap();
+    a.check().unwrap();
+}
