@@ -1616,8 +1616,9 @@ fn runs(sorted: &[u32]) -> Vec<(u32, u32)> {
 struct ClaimScratch {
     need: Vec<u32>,
     /// How many pages were taken back from the stream's own idle list. A count, not a list:
-    /// pushing each slot cost about 40 instructions an alloc/free pair on the 512 B–64 MiB
-    /// case, and only a failed claim needs the slots, which [`Touched::put_back`] finds again.
+    /// pushing each slot cost about 30 instructions an alloc/free pair on the 512 B–64 MiB
+    /// case (session 47), and only a failed claim needs the slots, which
+    /// [`Touched::put_back`] finds again.
     fast: usize,
     /// Of `fast`, the pages taken back at another virtual page than they went idle from,
     /// with that virtual page.
@@ -1633,9 +1634,9 @@ struct Touched<'a> {
 }
 
 impl Touched<'_> {
-    /// A failed claim puts the pages it took from the stream's idle list back at its front, in
-    /// the order they were taken: those the block is the first to touch (count 1) and that are
-    /// not left for the slow path (`need`, in ascending order).
+    /// A failed claim puts the pages it took from the stream's idle list back, each pushed to
+    /// the list's front in the order they were taken: the pages the block is the first to touch
+    /// (count 1) that were not left for the slow path (`need`, in ascending order).
     #[cold]
     fn put_back(&self, l: &mut Local) {
         let need = &self.scratch.need;
