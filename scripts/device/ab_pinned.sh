@@ -6,16 +6,17 @@
 # --threads 1 --runs 9 --no-baselines`, under `taskset -c CPU`; caching is measured alongside as
 # a control (a change to stitched should leave it alone, so its drift between builds shows the
 # noise). POLICIES changes the policies measured (e.g. "buddy caching stitched" to check that a
-# change to the engine slowed none of them). With MT=1, each round also runs the multi-thread case (`--threads 1,2,4,8 --runs 5`,
-# unpinned: the threads need CPUs of their own).
+# change to the engine slowed none of them). With MT=1, each round also runs the multi-thread
+# case (`--threads 1,2,4,8 --runs 5`, unpinned: the threads need CPUs of their own).
 #
 # Usage, from the repository root on the GPU machine (binaries built on the development
 # machine, stripped with `strip --strip-debug`, carried in the git-ignored .device/):
 #     BINS="main:.device/gpumem.main new:target/release/gpumem" OUT=/some/dir \
 #         bash scripts/device/ab_pinned.sh
-# Optional: ROUNDS (8), CPU (3), POLICIES ("caching stitched"), CASES (default: the 64 MiB random case; any of `bench alloc
-# --case`), MT, MT_CPUS (taskset list for the multi-thread case, default all), EXTRA (more
-# `bench alloc` arguments, e.g. --sim to try the script without a GPU).
+# Optional: ROUNDS (8), CPU (3), POLICIES ("caching stitched"), CASES (default: the 64 MiB
+# random case; any of `bench alloc --case`), MT, MT_CPUS (taskset list for the multi-thread
+# case, default all), EXTRA (more `bench alloc` arguments, e.g. --sim to try the script without
+# a GPU).
 #
 # Output: every figure as JSON lines in $OUT/<build>.r<round>.<case>.jsonl, and a table of each
 # build's median over the rounds (with the rounds' range) per allocator and case on stdout.
