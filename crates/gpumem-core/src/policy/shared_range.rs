@@ -29,8 +29,9 @@
 //! memory, so that the engine's passes over its shards count and do them once.
 //!
 //! A stream whose operations spend a quarter of their time waiting for the one lock spills:
-//! from then on its allocations go to a range of its own on the same page pool (see
-//! [`Spill`]). The shared range may take that range's idle pages, never the reverse.
+//! from then on its allocations go to a range of its own on the same page pool, and once all
+//! the others have, so does the last stream left (see [`Spill`]). The shared range may take
+//! an own range's idle pages, never the reverse.
 
 use super::freed_ranges::{Freed, FreedRanges};
 use super::stitched::{Order, PagePool, Stitched};
@@ -587,6 +588,12 @@ pub enum Spill {
     /// a window of waiting and cross-stream handovers at every return: eight such threads
     /// took 47–60 ns per operation on an H200 host against 22–23 with spills for good;
     /// BENCHMARKS.md §4, session 19.)
+    ///
+    /// Also once every other stream with a handle on the range has spilled: the last one
+    /// left there no longer waits, but would keep paying the shared range's records for
+    /// sharing its bytes with no one. (Two threads that only allocate, one of them spilled:
+    /// 62–89 ns per operation on the development machine, against 50–62 with both spilled,
+    /// for 96–144 MiB held at the peak instead of 84–100; BENCHMARKS.md §4, session 48.)
     Auto,
     /// Every n-th allocation of each stream (a testing aid: it mixes the two kinds of range
     /// deterministically, without threads).
@@ -597,8 +604,10 @@ pub enum Spill {
 /// their blocks in the shared range at all yet (`range:auto`).
 #[derive(Debug, Default)]
 pub struct SpillCount {
-    /// Times a stream began to spill.
+    /// Times a stream began to spill (each stream spills once, for good).
     spells: AtomicU64,
+    /// Streams with a handle on the shared range.
+    handles: AtomicU64,
     /// Allocations placed in streams' own ranges, by whole windows of [`SPILL_WINDOW`].
     allocations: AtomicU64,
     /// Whether the streams place blocks in the shared range: from the start with
@@ -643,6 +652,19 @@ impl SpillCount {
         self.together.load(Ordering::Relaxed)
     }
 
+    /// A stream took a handle on the shared range.
+    fn joined(&self) {
+        self.handles.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether every stream with a handle on the shared range but one has spilled: that one
+    /// is left alone there (see [`Spill::Auto`]).
+    #[inline]
+    fn left_alone(&self) -> bool {
+        let handles = self.handles.load(Ordering::Relaxed);
+        handles >= 2 && self.spells.load(Ordering::Relaxed) + 1 >= handles
+    }
+
     /// One line on the spills so far, if there were any.
     pub fn note(&self) -> Option<String> {
         let spells = self.spells.load(Ordering::Relaxed);
@@ -651,7 +673,8 @@ impl SpillCount {
             format!(
                 "stitched: about {allocations} allocations went to their stream's own range \
                  instead of the shared one, in {spells} spells (spill:auto: the shared range's lock was \
-                 contended, or spill:N; their small blocks do not share pages with other streams')"
+                 contended, or the other streams had spilled; or spill:N; their small blocks do \
+                 not share pages with other streams')"
             )
         })
     }
@@ -766,6 +789,7 @@ impl SharedStitched {
             let mut c = core.lock();
             (c.join(stream), c.pool.clone(), c.va_bytes)
         };
+        counted.joined();
         Self {
             me,
             reports: me == 0,
@@ -799,7 +823,13 @@ impl SharedStitched {
     fn spills(&mut self) -> bool {
         match self.spill {
             Spill::Off => false,
-            Spill::Auto => self.contention.gone,
+            Spill::Auto => {
+                if !self.contention.gone && self.counted.left_alone() {
+                    self.contention.gone = true;
+                    self.counted.spells.fetch_add(1, Ordering::Relaxed);
+                }
+                self.contention.gone
+            }
             Spill::Every(n) => {
                 self.allocs += 1;
                 self.allocs % n as u64 == 0
@@ -1114,6 +1144,63 @@ mod tests {
         assert_eq!(windows, 10);
         assert!(!window(&mut c, Duration::ZERO));
         assert!(c.gone);
+    }
+
+    /// Handles of `streams` streams on one shared range (`range:shared`, `spill:auto`).
+    fn handles(streams: u64) -> (Vec<SharedStitched>, Arc<SpillCount>) {
+        let info = crate::backend::DeviceInfo {
+            name: "sim".into(),
+            ordinal: 0,
+            total_bytes: 1 << 34,
+            page_bytes: 2 << 20,
+            supports_vmm: true,
+        };
+        let pool = Arc::new(PagePool::new(
+            &info,
+            &super::super::PolicyOptions::default(),
+        ));
+        let core = Arc::new(CoreLock::new(SharedCore::new(pool, 1 << 36)));
+        let counted = Arc::new(SpillCount::new(true));
+        let h = (1..=streams)
+            .map(|s| SharedStitched::new(s, core.clone(), Spill::Auto, counted.clone()))
+            .collect();
+        (h, counted)
+    }
+
+    /// What `lock_core` does after a window of allocations that mostly waited for the lock.
+    fn contended(h: &mut SharedStitched) {
+        assert!(window(&mut h.contention, LONG));
+        h.counted.spells.fetch_add(1, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn the_last_stream_left_in_the_shared_range_spills_too() {
+        let (mut h, counted) = handles(2);
+        assert!(!h[0].spills() && !h[1].spills(), "no wait yet: both stay");
+        contended(&mut h[1]);
+        assert!(h[1].spills());
+        assert!(
+            h[0].spills(),
+            "alone in the shared range: it follows the other"
+        );
+        assert!(h[0].spills(), "for good");
+        assert_eq!(
+            counted.spells.load(Ordering::Relaxed),
+            2,
+            "each stream counted once"
+        );
+
+        // With three streams, one spilled leaves two that still share the range.
+        let (mut h, counted) = handles(3);
+        contended(&mut h[2]);
+        assert!(!h[0].spills() && !h[1].spills());
+        contended(&mut h[1]);
+        assert!(h[0].spills(), "now alone");
+        assert_eq!(counted.spells.load(Ordering::Relaxed), 3);
+
+        // A single stream is never alone in this sense: it has nothing to share with.
+        let (mut h, _) = handles(1);
+        assert!(!h[0].spills());
     }
 
     #[test]
