@@ -652,6 +652,11 @@ impl SpillCount {
         self.together.load(Ordering::Relaxed)
     }
 
+    /// A stream began to spill, for good.
+    fn spilled_one(&self) {
+        self.spells.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A stream took a handle on the shared range.
     fn joined(&self) {
         self.handles.fetch_add(1, Ordering::Relaxed);
@@ -813,7 +818,7 @@ impl SharedStitched {
             None => wait_for(&self.core),
         };
         if self.spill == Spill::Auto && self.contention.came(waited) {
-            self.counted.spells.fetch_add(1, Ordering::Relaxed);
+            self.counted.spilled_one();
         }
         core
     }
@@ -826,7 +831,7 @@ impl SharedStitched {
             Spill::Auto => {
                 if !self.contention.gone && self.counted.left_alone() {
                     self.contention.gone = true;
-                    self.counted.spells.fetch_add(1, Ordering::Relaxed);
+                    self.counted.spilled_one();
                 }
                 self.contention.gone
             }
@@ -1148,13 +1153,8 @@ mod tests {
 
     /// Handles of `streams` streams on one shared range (`range:shared`, `spill:auto`).
     fn handles(streams: u64) -> (Vec<SharedStitched>, Arc<SpillCount>) {
-        let info = crate::backend::DeviceInfo {
-            name: "sim".into(),
-            ordinal: 0,
-            total_bytes: 1 << 34,
-            page_bytes: 2 << 20,
-            supports_vmm: true,
-        };
+        let (sim, _) = crate::backend::sim::SimBackend::new(Default::default());
+        let info = crate::backend::Backend::info(&sim);
         let pool = Arc::new(PagePool::new(
             &info,
             &super::super::PolicyOptions::default(),
@@ -1170,7 +1170,7 @@ mod tests {
     /// What `lock_core` does after a window of allocations that mostly waited for the lock.
     fn contended(h: &mut SharedStitched) {
         assert!(window(&mut h.contention, LONG));
-        h.counted.spells.fetch_add(1, Ordering::Relaxed);
+        h.counted.spilled_one();
     }
 
     #[test]
