@@ -71,6 +71,47 @@ pub fn render(ms: &[Measurement]) -> String {
     );
     s.push_str(&targets(ms));
     s.push_str(&driver_calls(ms));
+    s.push_str(&spread(ms));
+    s
+}
+
+/// The slowest run over the fastest one above which a row's runs are taken to straddle two
+/// conditions, such as two speeds of the host. The lent GPU machines switch between two
+/// speeds about 1.45× apart (BENCHMARKS.md §4, session 49), while runs within one speed stay
+/// within about 15 % of each other.
+const SPREAD_LIMIT: f64 = 1.3;
+
+/// gpumem's single-thread rows whose runs are more than 1.3× apart (`SPREAD_LIMIT`), each
+/// with its runs: the host changed speed between them, or some runs made driver calls (growth,
+/// remaps) and others none, so their median may mix the two and compare badly with a row
+/// measured in one. Multi-thread runs also differ by what the threads met (a stream spilling
+/// from a shared range, say), so they are left out.
+pub fn spread(ms: &[Measurement]) -> String {
+    let mut s = String::new();
+    for m in ms
+        .iter()
+        .filter(|m| m.allocator.starts_with("gpumem:") && m.threads == 1)
+    {
+        let lo = m
+            .runs_ns_per_op
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let hi = m.runs_ns_per_op.iter().copied().fold(0.0, f64::max);
+        if m.runs_ns_per_op.len() >= 2 && lo > 0.0 && hi / lo > SPREAD_LIMIT {
+            let runs: Vec<String> = m.runs_ns_per_op.iter().map(|&r| fmt_ns(r)).collect();
+            let _ = writeln!(
+                s,
+                "  {} {}×{}: runs {} ns per op, {:.2}× apart: the median may mix two speeds of \
+                 the host, or runs with and without driver calls; compare within one (docs/cuda.md)",
+                m.allocator,
+                m.case,
+                m.threads,
+                runs.join(", "),
+                hi / lo
+            );
+        }
+    }
     s
 }
 
@@ -195,5 +236,38 @@ mod tests {
         // 45 at 8 threads misses the 40 ns target, and 40 → 45 is not falling.
         assert!(s.contains(&format!("{MT_CASE}×8 45.0 MISSED")), "{s}");
         assert!(s.contains("60.0 → 40.0 → 45.0 NOT FALLING"), "{s}");
+        // Single runs cannot be apart.
+        assert!(!s.contains("apart"), "{s}");
+    }
+
+    /// A row whose runs straddle the host's two speeds is named with its runs; rows within
+    /// one speed, and rows that are not gpumem's, are not.
+    #[test]
+    fn runs_far_apart_are_named() {
+        let with_runs = |allocator: &str, runs: &[f64]| Measurement {
+            runs_ns_per_op: runs.to_vec(),
+            ..m("random_512B_64MiB_live500", 1, allocator, runs[1])
+        };
+        let ms = vec![
+            with_runs("gpumem:stitched", &[144.1, 103.4, 145.8]),
+            with_runs("gpumem:caching", &[113.0, 110.1, 100.0]),
+            with_runs("cudaMallocAsync", &[1000.0, 1500.0, 2000.0]),
+            Measurement {
+                runs_ns_per_op: vec![111.0, 60.0, 58.0],
+                ..m(MT_CASE, 2, "gpumem:stitched", 60.0)
+            },
+        ];
+        let s = spread(&ms);
+        assert_eq!(s.lines().count(), 1, "{s}");
+        assert!(
+            s.contains("gpumem:stitched random_512B_64MiB_live500×1: runs 144, 103, 146 ns per op, 1.41× apart"),
+            "{s}"
+        );
+        // 113.0 / 100.0 = 1.13: one speed.
+        assert!(!s.contains("caching"), "{s}");
+        // Threads' runs differ by what they met, not only by the host's speed.
+        assert!(!s.contains("×2"), "{s}");
+        // The full report carries the line too.
+        assert!(render(&ms).contains("1.41× apart"));
     }
 }
