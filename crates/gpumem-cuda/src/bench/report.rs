@@ -98,7 +98,8 @@ pub fn spread(ms: &[Measurement]) -> String {
             .copied()
             .fold(f64::INFINITY, f64::min);
         let hi = m.runs_ns_per_op.iter().copied().fold(0.0, f64::max);
-        if m.runs_ns_per_op.len() >= 2 && lo > 0.0 && hi / lo > SPREAD_LIMIT {
+        // (No runs: lo is infinite; one run: hi / lo is 1. Neither is apart.)
+        if lo > 0.0 && hi / lo > SPREAD_LIMIT {
             let runs: Vec<String> = m.runs_ns_per_op.iter().map(|&r| fmt_ns(r)).collect();
             let _ = writeln!(
                 s,
