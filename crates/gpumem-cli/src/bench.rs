@@ -101,8 +101,20 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
         if json {
             out_println!("{line}");
         } else {
+            // The core's clock around the runs, where measured: the slowest and fastest reading.
+            let lo = m
+                .runs_clock_ghz
+                .iter()
+                .copied()
+                .fold(f64::INFINITY, f64::min);
+            let hi = m.runs_clock_ghz.iter().copied().fold(0.0, f64::max);
+            let clock = match m.runs_clock_ghz.len() {
+                0 => String::new(),
+                _ if hi / lo < 1.05 => format!("  (core {hi:.2} GHz)"),
+                _ => format!("  (core {lo:.2}–{hi:.2} GHz)"),
+            };
             err_println!(
-                "  {:<28} threads {} {:<20} {:>10.1} ns/op",
+                "  {:<28} threads {} {:<20} {:>10.1} ns/op{clock}",
                 m.case,
                 m.threads,
                 m.allocator,

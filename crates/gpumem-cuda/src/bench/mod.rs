@@ -10,6 +10,7 @@
 //! figure is the aggregate: wall time ÷ all threads' ops. The timed loop makes no call but the
 //! allocator's own: pointers go to a preallocated slot table, errors end the run.
 
+mod clock;
 mod driver_baselines;
 pub mod report;
 
@@ -23,6 +24,7 @@ use gpumem_core::units::MIB;
 use gpumem_core::{AllocError, Allocation, Allocator, Config};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// One benchmark case (single-thread, or one thread count of the multi-thread case).
@@ -179,6 +181,11 @@ pub struct Measurement {
     pub ns_per_op: f64,
     /// Every timed run's ns per op.
     pub runs_ns_per_op: Vec<f64>,
+    /// gpumem's single-thread rows, on x86-64: the core's clock in GHz, measured on the timed
+    /// thread just before each timed run (`bench/clock.rs`), to tell a host whose clock
+    /// dropped from an allocator that got slower.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs_clock_ghz: Vec<f64>,
     /// Ops in one timed run (all threads).
     pub ops_per_run: u64,
     /// Peak bytes the allocator held from the device (gpumem only).
@@ -284,7 +291,8 @@ pub fn run(
                         peak: Option<u64>,
                         ops: u64,
                         calls: Option<(f64, f64)>,
-                        notes: Vec<String>| {
+                        notes: Vec<String>,
+                        clocks: Vec<f64>| {
             let ns = median(&runs);
             let m = Measurement {
                 case: case.name.to_string(),
@@ -293,6 +301,7 @@ pub fn run(
                 device: target.device().to_string(),
                 ns_per_op: ns,
                 runs_ns_per_op: runs,
+                runs_clock_ghz: clocks,
                 ops_per_run: ops,
                 peak_held_bytes: peak,
                 driver_calls_per_run: calls.map(|c| c.0),
@@ -316,13 +325,20 @@ pub fn run(
             let alloc = Allocator::new(target.backend()?, config).map_err(|e| e.to_string())?;
             let fail = |e: String| format!("{} under {}: {e}", case.name, policy.name());
             let mut after_warm = None;
+            let clocks = Mutex::new(Vec::new());
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
                 if !w && after_warm.is_none() {
                     after_warm = Some(alloc.driver_calls());
                 }
                 let seqs = if w { &warm } else { &timed };
-                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr).map_err(fail)
+                let clocks = (!w).then_some(&clocks);
+                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr, clocks).map_err(fail)
             })?;
+            let mut clocks = clocks.into_inner().unwrap_or_default();
+            if clocks.len() != runs.len() {
+                // Multi-thread rows, or no probe on this architecture.
+                clocks.clear();
+            }
             let timed_calls = after_warm.map(|w| {
                 let d = alloc.driver_calls().since(&w);
                 let n = opts.runs as f64;
@@ -339,6 +355,7 @@ pub fn run(
                 ops_per_run,
                 timed_calls,
                 alloc.policy_notes(),
+                clocks,
             );
         }
         if let (Target::Cuda(d), true) = (&target, opts.baselines) {
@@ -349,7 +366,15 @@ pub fn run(
                 })];
                 let ops = seq[0].len() as u64;
                 let runs = ns_per_op(opts.runs, ops, |_| d.malloc_runs(&seq))?;
-                emit("cudaMalloc".into(), runs, None, ops, None, Vec::new());
+                emit(
+                    "cudaMalloc".into(),
+                    runs,
+                    None,
+                    ops,
+                    None,
+                    Vec::new(),
+                    Vec::new(),
+                );
             }
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
                 d.async_runs(if w { &warm } else { &timed }, &streams)
@@ -361,6 +386,7 @@ pub fn run(
                 None,
                 ops_per_run,
                 None,
+                Vec::new(),
                 Vec::new(),
             );
         }
@@ -392,16 +418,25 @@ pub(crate) fn slot_count(seq: &[Op]) -> usize {
 }
 
 /// One run of gpumem over every thread's sequence (thread t on `streams[t]`); returns the wall
-/// time from the common start to the last thread's end.
+/// time from the common start to the last thread's end. With `clocks`, a single thread
+/// measures its core's clock before the start and adds it there (untimed).
 fn gpumem_runs(
     alloc: &Allocator,
     seqs: &[Vec<Op>],
     streams: &[Stream],
     by_ptr: bool,
+    clocks: Option<&Mutex<Vec<f64>>>,
 ) -> Result<Duration, String> {
     timed_threads(
         seqs.len(),
-        |t| Ok(vec![None::<Allocation>; slot_count(&seqs[t])]),
+        |t| {
+            if let (Some(c), 1) = (clocks, seqs.len()) {
+                if let (Some(ghz), Ok(mut c)) = (clock::core_ghz(), c.lock()) {
+                    c.push(ghz);
+                }
+            }
+            Ok(vec![None::<Allocation>; slot_count(&seqs[t])])
+        },
         |t, slots| {
             gpumem_pass(alloc, &seqs[t], slots, streams[t], by_ptr).map_err(|e| e.to_string())
         },
@@ -526,6 +561,14 @@ mod tests {
                 200_000
             };
             assert_eq!(x.ops_per_run, expect_ops);
+            // The core's clock beside each single-thread run, where the probe is built; never
+            // beside a multi-thread run, whose threads run on several cores.
+            let clocks = if x.threads == 1 && cfg!(target_arch = "x86_64") {
+                1
+            } else {
+                0
+            };
+            assert_eq!(x.runs_clock_ghz.len(), clocks, "{x:?}");
             // The 64 MiB case peaks at gigabytes live: every policy held at least that much.
             if x.case == "random_512B_64MiB_live500" {
                 assert!(x.peak_held_bytes.unwrap() > 1 << 30, "{x:?}");

@@ -101,10 +101,17 @@ pub fn spread(ms: &[Measurement]) -> String {
         // (No runs: lo is infinite; one run: hi / lo is 1. Neither is apart.)
         if lo > 0.0 && hi / lo > SPREAD_LIMIT {
             let runs: Vec<String> = m.runs_ns_per_op.iter().map(|&r| fmt_ns(r)).collect();
+            let clocks = if m.runs_clock_ghz.is_empty() {
+                String::new()
+            } else {
+                let c: Vec<String> = m.runs_clock_ghz.iter().map(|g| format!("{g:.2}")).collect();
+                format!(" (core clock before each: {} GHz)", c.join(", "))
+            };
             let _ = writeln!(
                 s,
-                "  {} {}×{}: runs {} ns per op, {:.2}× apart: the median may mix two speeds of \
-                 the host, or runs with and without driver calls; compare within one (docs/cuda.md)",
+                "  {} {}×{}: runs {} ns per op{clocks}, {:.2}× apart: the median may mix two \
+                 speeds of the host, or runs with and without driver calls; compare within one \
+                 (docs/cuda.md)",
                 m.allocator,
                 m.case,
                 m.threads,
@@ -198,6 +205,7 @@ mod tests {
             device: "cuda".into(),
             ns_per_op: ns,
             runs_ns_per_op: vec![ns],
+            runs_clock_ghz: Vec::new(),
             ops_per_run: 1,
             peak_held_bytes: None,
             driver_calls_per_run: None,
@@ -252,6 +260,10 @@ mod tests {
         let ms = vec![
             with_runs("gpumem:stitched", &[144.1, 103.4, 145.8]),
             with_runs("gpumem:caching", &[113.0, 110.1, 100.0]),
+            Measurement {
+                runs_clock_ghz: vec![2.6, 3.8, 2.6],
+                ..with_runs("gpumem:buddy", &[81.5, 56.0, 82.0])
+            },
             with_runs("cudaMallocAsync", &[1000.0, 1500.0, 2000.0]),
             Measurement {
                 runs_ns_per_op: vec![111.0, 60.0, 58.0],
@@ -259,9 +271,14 @@ mod tests {
             },
         ];
         let s = spread(&ms);
-        assert_eq!(s.lines().count(), 1, "{s}");
+        assert_eq!(s.lines().count(), 2, "{s}");
         assert!(
             s.contains("gpumem:stitched random_512B_64MiB_live500×1: runs 144, 103, 146 ns per op, 1.41× apart"),
+            "{s}"
+        );
+        // Runs measured with the core's clock say it.
+        assert!(
+            s.contains("gpumem:buddy random_512B_64MiB_live500×1: runs 81.5, 56.0, 82.0 ns per op (core clock before each: 2.60, 3.80, 2.60 GHz), 1.46× apart"),
             "{s}"
         );
         // 113.0 / 100.0 = 1.13: one speed.
