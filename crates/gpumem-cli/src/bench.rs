@@ -54,6 +54,10 @@ struct AllocArgs {
     /// random_512B_1MiB_live2000, mt_random_512B_1MiB_live200.
     #[arg(long = "case")]
     cases: Vec<String>,
+    /// Skip the core-clock probe before each single-thread run (it runs about 5 million
+    /// instructions, untimed: leave it out when counting instructions under valgrind).
+    #[arg(long)]
+    no_clock: bool,
 }
 
 pub fn run(a: BenchArgs) -> Result<(), String> {
@@ -87,6 +91,7 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
         free_by_ptr: a.free_by_ptr,
         baselines: !a.no_baselines,
         only: a.cases,
+        clock: !a.no_clock,
     };
     let mut out_file = match &a.json_out {
         Some(p) => Some(

@@ -149,6 +149,10 @@ pub struct BenchOptions {
     pub baselines: bool,
     /// Only these cases (by name; empty: all).
     pub only: Vec<String>,
+    /// Measure the core's clock before each single-thread gpumem run (`runs_clock_ghz`). Off
+    /// for instruction counts (`scripts/instr_alloc.sh`): each probe runs about 5 million
+    /// instructions, untimed but counted by valgrind.
+    pub clock: bool,
 }
 
 impl Default for BenchOptions {
@@ -162,6 +166,7 @@ impl Default for BenchOptions {
             free_by_ptr: false,
             baselines: true,
             only: Vec::new(),
+            clock: true,
         }
     }
 }
@@ -331,7 +336,7 @@ pub fn run(
                     after_warm = Some(alloc.driver_calls());
                 }
                 let seqs = if w { &warm } else { &timed };
-                let clocks = (!w).then_some(&clocks);
+                let clocks = (!w && opts.clock).then_some(&clocks);
                 gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr, clocks).map_err(fail)
             })?;
             let mut clocks = clocks.into_inner().unwrap_or_default();
@@ -575,6 +580,24 @@ mod tests {
                 assert_eq!(x.anchor_torch_ns, Some(682.0));
             }
         }
+    }
+
+    /// Without the clock probe (instruction counts), no row carries a clock.
+    #[test]
+    fn the_clock_probe_can_be_left_out() {
+        let opts = BenchOptions {
+            sim: true,
+            policies: vec![PolicyKind::Caching],
+            threads: vec![1],
+            runs: 2,
+            only: vec!["same_1MiB".into()],
+            clock: false,
+            ..BenchOptions::default()
+        };
+        let m = run(&opts, &mut |_| {}).unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].runs_ns_per_op.len(), 2);
+        assert!(m[0].runs_clock_ghz.is_empty(), "{:?}", m[0]);
     }
 
     #[test]
