@@ -41,7 +41,7 @@ branch_sim=no
 [[ -n "${BRANCHES:-}" ]] && branch_sim=yes
 
 count() { # binary, policy args, runs, case -> instructions [mispredicts] of the whole process
-    # Builds since session 50 probe the core's clock before each timed run (about 5 million
+    # Builds since session 50 probe the core's clock before each timed run (about 11 million
     # instructions, untimed): leave it out, so that counts compare with older builds'.
     local no_clock=()
     "$1" bench alloc --help 2>/dev/null | grep -q -- --no-clock && no_clock=(--no-clock)

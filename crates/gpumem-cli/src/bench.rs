@@ -54,7 +54,7 @@ struct AllocArgs {
     /// random_512B_1MiB_live2000, mt_random_512B_1MiB_live200.
     #[arg(long = "case")]
     cases: Vec<String>,
-    /// Skip the core-clock probe before each single-thread run (it runs about 5 million
+    /// Skip the core probes before each single-thread run (each reading runs about 11 million
     /// instructions, untimed: leave it out when counting instructions under valgrind).
     #[arg(long)]
     no_clock: bool,

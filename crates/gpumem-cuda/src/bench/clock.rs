@@ -1,31 +1,57 @@
-//! The core's clock as the benchmark's own thread sees it, measured next to each timed run.
+//! The core as the benchmark's own thread sees it, measured next to each timed run: its clock,
+//! and how many independent adds it retires per cycle.
 //!
 //! The lent GPU machines run the same code at two speeds about 1.45× apart (BENCHMARKS.md §4,
 //! session 49), and their virtual machines expose no hardware counters, so `perf` cannot say
-//! whether the slow state is a lower clock or a core that does less per cycle (a busy sibling
-//! thread, shared caches). This probe tells the two apart from inside the guest: a chain of
-//! dependent register-to-register adds takes one cycle per add on x86-64 cores, whatever the
-//! caches or a sibling thread do, so adds per nanosecond is the clock in GHz. (Adds of an
-//! immediate will not do: recent Intel cores fold chains of them at rename, and such a chain
-//! read 18.8 "GHz" on a 3.4 GHz Xeon.)
+//! whether the slow state is a lower clock or a core that does less per cycle. Two probes tell
+//! these apart from inside the guest:
+//!
+//! - the clock: a chain of dependent register-to-register adds takes one cycle per add on
+//!   x86-64 cores, whatever the caches or a sibling thread do, so adds per nanosecond is the
+//!   clock in GHz. (Adds of an immediate will not do: recent Intel cores fold chains of them at
+//!   rename, and such a chain read 18.8 "GHz" on a 3.4 GHz Xeon.)
+//! - the core's share: four independent chains of adds retire about 3.4 adds a cycle on a core
+//!   of its own (dev's Xeon). Another thread on the same physical core (a sibling hyperthread,
+//!   which a virtual machine may be given without knowing) takes issue slots from them, while
+//!   shared caches and memory do not touch them (no memory is read).
 
 use std::time::Instant;
 
-/// Adds per probe: 16 per loop iteration. About 0.5 ms at 3 GHz, short enough to run beside
-/// every timed run, long enough that the two clock reads around it cost under 0.01 %.
+/// Loop iterations per probe, of 16 adds each: the chain's probe takes about 0.5 ms at 3 GHz,
+/// the four chains' about a quarter of that; short enough to run beside every timed run, long
+/// enough that the two clock reads around a probe cost under 0.1 % of it.
 const PROBE_ITERS: u64 = 100_000;
 
 /// Probes per reading: the fastest is kept, since an interruption (the guest's vCPU preempted,
 /// an interrupt) can only make a probe slower.
 const PROBES: usize = 3;
 
-/// The core's clock in GHz, measured now on the calling thread; `None` where the probe is not
-/// built (other architectures than x86-64).
-pub fn core_ghz() -> Option<f64> {
+/// One reading of the core ([`read_core`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CoreReading {
+    /// The clock, GHz.
+    pub ghz: f64,
+    /// Independent adds retired per cycle (four chains).
+    pub adds_per_cycle: f64,
+}
+
+/// The calling thread's core, measured now; `None` where the probes are not built (other
+/// architectures than x86-64).
+pub fn read_core() -> Option<CoreReading> {
+    let ghz = adds_per_ns(add_chain)?;
+    let wide = adds_per_ns(add_chains_4)?;
+    Some(CoreReading {
+        ghz,
+        adds_per_cycle: wide / ghz,
+    })
+}
+
+/// Adds per nanosecond of `probe` over `PROBE_ITERS` iterations, the best of `PROBES`.
+fn adds_per_ns(probe: fn(u64) -> Option<u64>) -> Option<f64> {
     (0..PROBES)
         .filter_map(|_| {
             let t0 = Instant::now();
-            let adds = add_chain(PROBE_ITERS)?;
+            let adds = probe(PROBE_ITERS)?;
             let ns = t0.elapsed().as_nanos() as f64;
             (ns > 0.0).then(|| adds as f64 / ns)
         })
@@ -65,8 +91,47 @@ fn add_chain(iters: u64) -> Option<u64> {
     Some(x)
 }
 
+/// Runs `iters` iterations of four independent chains of 4 adds each; returns the adds done.
+#[cfg(target_arch = "x86_64")]
+fn add_chains_4(iters: u64) -> Option<u64> {
+    if iters == 0 {
+        return Some(0);
+    }
+    let (mut a, mut b, mut c, mut d) = (0u64, 0u64, 0u64, 0u64);
+    let one: u64 = 1;
+    let mut n = iters;
+    // SAFETY: as `add_chain`'s block, with four accumulators: register operands only, no
+    // memory, no stack, the flags changed and not declared preserved; `n` starts at one or
+    // more.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "add {a}, {one}", "add {b}, {one}", "add {c}, {one}", "add {d}, {one}",
+            "add {a}, {one}", "add {b}, {one}", "add {c}, {one}", "add {d}, {one}",
+            "add {a}, {one}", "add {b}, {one}", "add {c}, {one}", "add {d}, {one}",
+            "add {a}, {one}", "add {b}, {one}", "add {c}, {one}", "add {d}, {one}",
+            "dec {n}",
+            "jnz 2b",
+            a = inout(reg) a,
+            b = inout(reg) b,
+            c = inout(reg) c,
+            d = inout(reg) d,
+            one = in(reg) one,
+            n = inout(reg) n,
+            options(nomem, nostack),
+        );
+    }
+    debug_assert_eq!(n, 0);
+    Some(a + b + c + d)
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 fn add_chain(_iters: u64) -> Option<u64> {
+    None
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn add_chains_4(_iters: u64) -> Option<u64> {
     None
 }
 
@@ -111,10 +176,12 @@ mod tests {
     fn the_clock_is_a_real_one() {
         assert_eq!(add_chain(0), Some(0));
         assert_eq!(add_chain(3), Some(48));
+        assert_eq!(add_chains_4(0), Some(0));
+        assert_eq!(add_chains_4(3), Some(48));
         // The two probes run one after the other; a test run beside others may be
         // interrupted, which only lowers a reading, so the best of a few pairs is compared.
         let (adds, muls) = (0..5)
-            .map(|_| (core_ghz().expect("built on x86-64"), imul_ghz()))
+            .map(|_| (read_core().expect("built on x86-64").ghz, imul_ghz()))
             .min_by(|a, b| (a.0 / a.1 - 1.0).abs().total_cmp(&(b.0 / b.1 - 1.0).abs()))
             .expect("five pairs");
         assert!(
@@ -127,9 +194,19 @@ mod tests {
         );
     }
 
+    /// Four chains retire more than one add a cycle (the chains overlap) and at most four.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn independent_chains_overlap() {
+        let best = (0..5)
+            .map(|_| read_core().expect("built on x86-64").adds_per_cycle)
+            .fold(0.0, f64::max);
+        assert!((1.5..=4.2).contains(&best), "{best} adds per cycle");
+    }
+
     #[cfg(not(target_arch = "x86_64"))]
     #[test]
-    fn no_clock_elsewhere() {
-        assert_eq!(core_ghz(), None);
+    fn no_probe_elsewhere() {
+        assert_eq!(read_core(), None);
     }
 }

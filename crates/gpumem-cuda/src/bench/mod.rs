@@ -150,7 +150,7 @@ pub struct BenchOptions {
     /// Only these cases (by name; empty: all).
     pub only: Vec<String>,
     /// Measure the core's clock before each single-thread gpumem run (`runs_clock_ghz`). Off
-    /// for instruction counts (`scripts/instr_alloc.sh`): each probe runs about 5 million
+    /// for instruction counts (`scripts/instr_alloc.sh`): each reading runs about 11 million
     /// instructions, untimed but counted by valgrind.
     pub clock: bool,
 }
@@ -191,6 +191,10 @@ pub struct Measurement {
     /// dropped from an allocator that got slower.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub runs_clock_ghz: Vec<f64>,
+    /// With `runs_clock_ghz`: independent adds the core retired per cycle in the same probe
+    /// (about 3.4 on a core of its own; lower when another thread shares the physical core).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs_adds_per_cycle: Vec<f64>,
     /// Ops in one timed run (all threads).
     pub ops_per_run: u64,
     /// Peak bytes the allocator held from the device (gpumem only).
@@ -297,7 +301,7 @@ pub fn run(
                         ops: u64,
                         calls: Option<(f64, f64)>,
                         notes: Vec<String>,
-                        clocks: Vec<f64>| {
+                        cores: Vec<clock::CoreReading>| {
             let ns = median(&runs);
             let m = Measurement {
                 case: case.name.to_string(),
@@ -306,7 +310,8 @@ pub fn run(
                 device: target.device().to_string(),
                 ns_per_op: ns,
                 runs_ns_per_op: runs,
-                runs_clock_ghz: clocks,
+                runs_clock_ghz: cores.iter().map(|c| c.ghz).collect(),
+                runs_adds_per_cycle: cores.iter().map(|c| c.adds_per_cycle).collect(),
                 ops_per_run: ops,
                 peak_held_bytes: peak,
                 driver_calls_per_run: calls.map(|c| c.0),
@@ -330,19 +335,19 @@ pub fn run(
             let alloc = Allocator::new(target.backend()?, config).map_err(|e| e.to_string())?;
             let fail = |e: String| format!("{} under {}: {e}", case.name, policy.name());
             let mut after_warm = None;
-            let clocks = Mutex::new(Vec::new());
+            let cores = Mutex::new(Vec::new());
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
                 if !w && after_warm.is_none() {
                     after_warm = Some(alloc.driver_calls());
                 }
                 let seqs = if w { &warm } else { &timed };
-                let clocks = (!w && opts.clock).then_some(&clocks);
-                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr, clocks).map_err(fail)
+                let cores = (!w && opts.clock).then_some(&cores);
+                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr, cores).map_err(fail)
             })?;
-            let mut clocks = clocks.into_inner().unwrap_or_default();
-            if clocks.len() != runs.len() {
+            let mut cores = cores.into_inner().unwrap_or_default();
+            if cores.len() != runs.len() {
                 // Multi-thread rows, or no probe on this architecture.
-                clocks.clear();
+                cores.clear();
             }
             let timed_calls = after_warm.map(|w| {
                 let d = alloc.driver_calls().since(&w);
@@ -360,7 +365,7 @@ pub fn run(
                 ops_per_run,
                 timed_calls,
                 alloc.policy_notes(),
-                clocks,
+                cores,
             );
         }
         if let (Target::Cuda(d), true) = (&target, opts.baselines) {
@@ -423,21 +428,21 @@ pub(crate) fn slot_count(seq: &[Op]) -> usize {
 }
 
 /// One run of gpumem over every thread's sequence (thread t on `streams[t]`); returns the wall
-/// time from the common start to the last thread's end. With `clocks`, a single thread
-/// measures its core's clock before the start and adds it there (untimed).
+/// time from the common start to the last thread's end. With `cores`, a single thread reads
+/// its core ([`clock::read_core`]) before the start and adds the reading there (untimed).
 fn gpumem_runs(
     alloc: &Allocator,
     seqs: &[Vec<Op>],
     streams: &[Stream],
     by_ptr: bool,
-    clocks: Option<&Mutex<Vec<f64>>>,
+    cores: Option<&Mutex<Vec<clock::CoreReading>>>,
 ) -> Result<Duration, String> {
     timed_threads(
         seqs.len(),
         |t| {
-            if let (Some(c), 1) = (clocks, seqs.len()) {
-                if let (Some(ghz), Ok(mut c)) = (clock::core_ghz(), c.lock()) {
-                    c.push(ghz);
+            if let (Some(c), 1) = (cores, seqs.len()) {
+                if let (Some(r), Ok(mut c)) = (clock::read_core(), c.lock()) {
+                    c.push(r);
                 }
             }
             Ok(vec![None::<Allocation>; slot_count(&seqs[t])])
@@ -574,6 +579,7 @@ mod tests {
                 0
             };
             assert_eq!(x.runs_clock_ghz.len(), clocks, "{x:?}");
+            assert_eq!(x.runs_adds_per_cycle.len(), clocks, "{x:?}");
             // The 64 MiB case peaks at gigabytes live: every policy held at least that much.
             if x.case == "random_512B_64MiB_live500" {
                 assert!(x.peak_held_bytes.unwrap() > 1 << 30, "{x:?}");

@@ -206,6 +206,7 @@ mod tests {
             ns_per_op: ns,
             runs_ns_per_op: vec![ns],
             runs_clock_ghz: Vec::new(),
+            runs_adds_per_cycle: Vec::new(),
             ops_per_run: 1,
             peak_held_bytes: None,
             driver_calls_per_run: None,
