@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Is a host's slow state a lower core clock, or a core that does less per cycle? The lent GPU
-# machines run the same code at two speeds about 1.45x apart (BENCHMARKS.md §4, session 49), and
-# their virtual machines expose no hardware counters. `gpumem bench alloc` measures the core's
+# Why are some runs slow on a host: a lower clock, time taken by others, a shared core, or a
+# core that does less per cycle for the same code? The lent GPU machines run the same code at
+# two speeds about 1.45x apart (BENCHMARKS.md §4, session 49), and their virtual machines
+# expose no hardware counters. `gpumem bench alloc` measures the core's
 # clock on the timed thread before each single-thread run (`runs_clock_ghz`, from a chain of
 # dependent adds) and the independent adds it retires per cycle (`runs_adds_per_cycle`, four
 # chains: lower when another thread shares the physical core; crates/gpumem-cuda/src/bench/
-# clock.rs). This script runs caching and stitched on the simulated device, pinned to one CPU,
-# ROUNDS times, and sets every run's time beside the two.
+# clock.rs), and the share of the run its thread spent on a CPU and waiting for one
+# (`runs_on_cpu_share`, `runs_waiting_share`, the kernel's account: bench/thread_time.rs).
+# This script runs caching and stitched on the simulated device, pinned to one CPU, ROUNDS
+# times, and sets every run's time beside these readings.
 #
-# Reading it: if the slow runs come with a clock about 1.45x lower, the host drops its clock,
-# and cycles per op (ns x GHz) stay put. If the clock holds while the time grows, the core does
-# less per cycle: with fewer adds per cycle, another thread shares the core; with as many, the
-# slowdown is in what the probes do not touch (caches, memory).
+# Reading it, for the slow runs against the fast ones:
+# - a clock about as much lower: the host drops its clock; cycles per op (ns x GHz) stay put;
+# - a smaller share on a CPU: other processes (waiting share) or the hypervisor (neither
+#   share) took the time; the CPU time per op (ns x on-CPU share) stays put;
+# - fewer adds per cycle: another thread shares the physical core;
+# - none of these: the core did less per cycle for what the probes do not touch (caches,
+#   memory).
 #
 # Usage, from the repository root (on the GPU machine: the binary built on the development
 # machine and carried; it runs anywhere, the simulated device needs no GPU):
@@ -20,9 +26,8 @@
 # RUNS (9 timed runs per invocation).
 #
 # Output: JSON lines in $OUT/r<round>.jsonl; on stdout, per round each policy's median ns and
-# its clocks, then per policy the range of ns, GHz, adds per cycle and cycles per op over every
-# run, the correlation of ns with GHz and with adds per cycle, and the runs split at the middle
-# of their range of ns (slow and fast), with the median clock and adds per cycle of each.
+# its clocks, then per policy the range of each reading over every run, and the runs split at
+# the middle of their range of ns (slow and fast) with the median of each reading.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release/gpumem}
@@ -47,6 +52,7 @@ done
 python3 - "$OUT" <<'PY'
 import glob, json, statistics as st, sys
 out = sys.argv[1]
+# Per run: ns per op, GHz, adds per cycle, on-CPU share, waiting share.
 runs = {}
 print("round  policy: median ns (clock range, GHz)")
 for path in sorted(glob.glob(out + "/r*.jsonl")):
@@ -55,24 +61,30 @@ for path in sorted(glob.glob(out + "/r*.jsonl")):
         m = json.loads(line)
         name = m["allocator"].split(":")[1]
         ns, ghz = m["runs_ns_per_op"], m.get("runs_clock_ghz", [])
-        runs.setdefault(name, []).extend(zip(ns, ghz, m.get("runs_adds_per_cycle", [])))
+        n = len(ns)
+        cols = [m.get(k) or [float("nan")] * n for k in
+                ("runs_clock_ghz", "runs_adds_per_cycle", "runs_on_cpu_share", "runs_waiting_share")]
+        runs.setdefault(name, []).extend(zip(ns, *cols))
         row.append(f"{name}: {st.median(ns):.1f} ({min(ghz):.2f}-{max(ghz):.2f})" if ghz else f"{name}: {st.median(ns):.1f}")
     print(f"{path.rsplit('/', 1)[1][1:-6]:>5}  " + "  ".join(row))
-def corr(a, b):
-    ok = len(a) > 2 and st.pstdev(a) > 0 and st.pstdev(b) > 0
-    return st.correlation(a, b) if ok else float("nan")
-print("\npolicy     runs   ns per op      GHz         adds/cycle   cycles per op (median)   corr(ns, GHz)  corr(ns, adds/cycle)")
+
+def rng(xs, f):
+    return f"{f(min(xs))}-{f(max(xs))}"
+print("\npolicy     runs  ns per op     GHz        adds/cycle  on CPU     waiting    cycles/op (median)  CPU ns/op (median)")
 for name, v in runs.items():
-    ns, ghz, apc = [x[0] for x in v], [x[1] for x in v], [x[2] for x in v]
+    ns, ghz, apc, cpu, wait = (list(c) for c in zip(*v))
     cyc = [x * g for x, g in zip(ns, ghz)]
-    print(f"{name:<10}{len(v):>5}   {min(ns):5.1f}-{max(ns):5.1f}   {min(ghz):.2f}-{max(ghz):.2f}   "
-          f"{min(apc):.2f}-{max(apc):.2f}    {min(cyc):4.0f}-{max(cyc):4.0f} ({st.median(cyc):.0f})"
-          f"          {corr(ns, ghz):+.2f}          {corr(ns, apc):+.2f}")
-print("\nruns split at the middle of each policy's range of ns: count, median ns, GHz, adds/cycle")
+    cns = [x * c for x, c in zip(ns, cpu)]
+    pct = lambda x: f"{100 * x:3.0f}%"
+    print(f"{name:<10}{len(v):>5}  {rng(ns, lambda x: f'{x:5.1f}')}  {rng(ghz, lambda x: f'{x:.2f}')}  "
+          f"{rng(apc, lambda x: f'{x:.2f}')}   {rng(cpu, pct)}  {rng(wait, pct)}  "
+          f"{rng(cyc, lambda x: f'{x:4.0f}')} ({st.median(cyc):.0f})   {rng(cns, lambda x: f'{x:5.1f}')} ({st.median(cns):.1f})")
+print("\nruns split at the middle of each policy's range of ns: count, median ns, GHz, adds/cycle, on CPU, waiting")
 for name, v in runs.items():
     mid = (min(x[0] for x in v) + max(x[0] for x in v)) / 2
     for label, part in (("fast", [x for x in v if x[0] <= mid]), ("slow", [x for x in v if x[0] > mid])):
         if part:
-            print(f"{name:<10}{label}  {len(part):>4}  {st.median(x[0] for x in part):6.1f} ns  "
-                  f"{st.median(x[1] for x in part):.2f} GHz  {st.median(x[2] for x in part):.2f}")
+            med = [st.median(x[i] for x in part) for i in range(5)]
+            print(f"{name:<10}{label}  {len(part):>4}  {med[0]:6.1f} ns  {med[1]:.2f} GHz  {med[2]:.2f}  "
+                  f"{100 * med[3]:3.0f}%  {100 * med[4]:3.0f}%")
 PY

@@ -16,8 +16,10 @@
 #     OUT=/some/folder bash scripts/device/cuda.sh
 # It needs: one CUDA GPU with driver ≥ 12.x, compute-sanitizer on PATH (or under
 # /usr/local/cuda/bin), python3 with PyTorch (CUDA), a C++ compiler and ninja for the PyTorch
-# extension. About 3–4 minutes on an H200. Its last stage runs the bench on the simulated device
-# too, so that the summary sets the CUDA runs beside the policies' own cost on the same host.
+# extension. About 3–4 minutes on an H200. Its last stages run the bench on the simulated device
+# too, so that the summary sets the CUDA runs beside the policies' own cost on the same host,
+# and read the host's state (its clock, and whether another thread shares the core) beside
+# single-thread runs (`scripts/device/clock_states.sh`).
 #
 # A good result: the tests pass both times and memcheck reports "ERROR SUMMARY: 0 errors"; every
 # replay ends with "not returned" 0, physical (cuMemGetInfo) within a few percent of gpumem's
@@ -109,6 +111,14 @@ stage "bench alloc sim" "$OUT/bench_sim.log" "$BIN" bench alloc --sim --threads 
     -p caching -p buddy -p stitched --case same_1MiB --case random_512B_64MiB_live500 \
     --case random_512B_1MiB_live2000 --json-out "$OUT/bench_sim.jsonl"
 
+# 3c. The host's state while it runs single-thread code: each run's time beside the core's
+#     clock, its adds per cycle and the share of the run spent on a CPU (a lower clock, time
+#     taken by other processes or the hypervisor, a core shared with another thread, or
+#     none of these), pinned, in rounds (scripts/device/clock_states.sh; BENCHMARKS.md §4,
+#     session 50).
+stage "host state" "$OUT/clock_states.log" \
+    env OUT="$OUT/clock_states" BIN="$BIN" ROUNDS=8 bash scripts/device/clock_states.sh
+
 # 4. Summary.
 python3 - "$OUT" <<'EOF'
 import glob, json, os, re, sys
@@ -164,6 +174,11 @@ print(f"  {'case':<28}{'allocator':<18}{'cuda':>9}{'sim':>9}{'ratio':>8}")
 for key in sorted(sim):
     if key in cuda:
         print(f"  {key[0]:<28}{key[1]:<18}{cuda[key]:>9.1f}{sim[key]:>9.1f}{cuda[key] / sim[key]:>7.2f}x")
+print("\nhost state, simulated device pinned (scripts/device/clock_states.sh, 8 rounds):")
+state = tail(os.path.join(out, "clock_states.log"), r".")
+at = next((i for i, l in enumerate(state) if l.startswith("policy ")), None)
+for l in state[at:] if at is not None else state[-12:]:
+    print("  " + l)
 print("\nall allocators, one run (ns per op):")
 try:
     text = open(os.path.join(out, "bench_torch.log"), errors="replace").read()

@@ -54,8 +54,9 @@ struct AllocArgs {
     /// random_512B_1MiB_live2000, mt_random_512B_1MiB_live200.
     #[arg(long = "case")]
     cases: Vec<String>,
-    /// Skip the core probes before each single-thread run (each reading runs about 11 million
-    /// instructions, untimed: leave it out when counting instructions under valgrind).
+    /// Skip the core probes and the CPU-time reads of single-thread runs (each core reading
+    /// runs about 11 million instructions, untimed: leave them out when counting instructions
+    /// under valgrind).
     #[arg(long)]
     no_clock: bool,
 }
@@ -113,11 +114,20 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
                 .copied()
                 .fold(f64::INFINITY, f64::min);
             let hi = m.runs_clock_ghz.iter().copied().fold(0.0, f64::max);
-            let clock = match m.runs_clock_ghz.len() {
+            let mut clock = match m.runs_clock_ghz.len() {
                 0 => String::new(),
-                _ if hi / lo < 1.05 => format!("  (core {hi:.2} GHz)"),
-                _ => format!("  (core {lo:.2}–{hi:.2} GHz)"),
+                _ if hi / lo < 1.05 => format!("  (core {hi:.2} GHz"),
+                _ => format!("  (core {lo:.2}–{hi:.2} GHz"),
             };
+            if !clock.is_empty() {
+                // The least a run had of its CPU: well under 100 % means other processes took
+                // part of the wall time.
+                let least = m.runs_on_cpu_share.iter().copied().reduce(f64::min);
+                if let Some(least) = least {
+                    clock.push_str(&format!(", on a CPU ≥ {:.0} % of each run", least * 100.0));
+                }
+                clock.push(')');
+            }
             err_println!(
                 "  {:<28} threads {} {:<20} {:>10.1} ns/op{clock}",
                 m.case,

@@ -13,6 +13,7 @@
 mod clock;
 mod driver_baselines;
 pub mod report;
+mod thread_time;
 
 use crate::backend::CudaBackend;
 use driver_baselines::DriverBaselines;
@@ -149,9 +150,10 @@ pub struct BenchOptions {
     pub baselines: bool,
     /// Only these cases (by name; empty: all).
     pub only: Vec<String>,
-    /// Measure the core's clock before each single-thread gpumem run (`runs_clock_ghz`). Off
-    /// for instruction counts (`scripts/instr_alloc.sh`): each reading runs about 11 million
-    /// instructions, untimed but counted by valgrind.
+    /// Read the core before each single-thread gpumem run, and its thread's CPU time during it
+    /// (`runs_clock_ghz` and the fields after it). Off for instruction counts
+    /// (`scripts/instr_alloc.sh`): each core reading runs about 11 million instructions,
+    /// untimed but counted by valgrind.
     pub clock: bool,
 }
 
@@ -195,6 +197,15 @@ pub struct Measurement {
     /// (about 3.4 on a core of its own; lower when another thread shares the physical core).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub runs_adds_per_cycle: Vec<f64>,
+    /// With `runs_clock_ghz`, on Linux: the share of each timed run's wall time that its
+    /// thread ran on a CPU, by the scheduler's account (`bench/thread_time.rs`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs_on_cpu_share: Vec<f64>,
+    /// With `runs_on_cpu_share`: the share it spent runnable, waiting for a CPU that another
+    /// process held. What is neither is, on kernels that account for it, time the hypervisor
+    /// gave to something else.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub runs_waiting_share: Vec<f64>,
     /// Ops in one timed run (all threads).
     pub ops_per_run: u64,
     /// Peak bytes the allocator held from the device (gpumem only).
@@ -301,8 +312,10 @@ pub fn run(
                         ops: u64,
                         calls: Option<(f64, f64)>,
                         notes: Vec<String>,
-                        cores: Vec<clock::CoreReading>| {
+                        probes: RunProbes| {
             let ns = median(&runs);
+            let on_cpu = probes.shares(&runs, ops, |t| t.0);
+            let waiting = probes.shares(&runs, ops, |t| t.1);
             let m = Measurement {
                 case: case.name.to_string(),
                 threads: case.threads,
@@ -310,8 +323,10 @@ pub fn run(
                 device: target.device().to_string(),
                 ns_per_op: ns,
                 runs_ns_per_op: runs,
-                runs_clock_ghz: cores.iter().map(|c| c.ghz).collect(),
-                runs_adds_per_cycle: cores.iter().map(|c| c.adds_per_cycle).collect(),
+                runs_clock_ghz: probes.cores.iter().map(|c| c.ghz).collect(),
+                runs_adds_per_cycle: probes.cores.iter().map(|c| c.adds_per_cycle).collect(),
+                runs_on_cpu_share: on_cpu,
+                runs_waiting_share: waiting,
                 ops_per_run: ops,
                 peak_held_bytes: peak,
                 driver_calls_per_run: calls.map(|c| c.0),
@@ -335,20 +350,16 @@ pub fn run(
             let alloc = Allocator::new(target.backend()?, config).map_err(|e| e.to_string())?;
             let fail = |e: String| format!("{} under {}: {e}", case.name, policy.name());
             let mut after_warm = None;
-            let cores = Mutex::new(Vec::new());
+            let probes = Mutex::new(RunProbes::default());
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
                 if !w && after_warm.is_none() {
                     after_warm = Some(alloc.driver_calls());
                 }
                 let seqs = if w { &warm } else { &timed };
-                let cores = (!w && opts.clock).then_some(&cores);
-                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr, cores).map_err(fail)
+                let probes = (!w && opts.clock).then_some(&probes);
+                gpumem_runs(&alloc, seqs, &streams, opts.free_by_ptr, probes).map_err(fail)
             })?;
-            let mut cores = cores.into_inner().unwrap_or_default();
-            if cores.len() != runs.len() {
-                // Multi-thread rows, or no probe on this architecture.
-                cores.clear();
-            }
+            let probes = probes.into_inner().unwrap_or_default().complete(runs.len());
             let timed_calls = after_warm.map(|w| {
                 let d = alloc.driver_calls().since(&w);
                 let n = opts.runs as f64;
@@ -365,7 +376,7 @@ pub fn run(
                 ops_per_run,
                 timed_calls,
                 alloc.policy_notes(),
-                cores,
+                probes,
             );
         }
         if let (Target::Cuda(d), true) = (&target, opts.baselines) {
@@ -383,7 +394,7 @@ pub fn run(
                     ops,
                     None,
                     Vec::new(),
-                    Vec::new(),
+                    RunProbes::default(),
                 );
             }
             let runs = ns_per_op(opts.runs, ops_per_run, |w| {
@@ -397,7 +408,7 @@ pub fn run(
                 ops_per_run,
                 None,
                 Vec::new(),
-                Vec::new(),
+                RunProbes::default(),
             );
         }
     }
@@ -427,28 +438,72 @@ pub(crate) fn slot_count(seq: &[Op]) -> usize {
         .unwrap_or(0)
 }
 
+/// What the timed thread of each single-thread run saw of its core and its CPU time.
+#[derive(Default)]
+struct RunProbes {
+    /// The core, read before the run ([`clock::read_core`]).
+    cores: Vec<clock::CoreReading>,
+    /// Nanoseconds on a CPU and waiting for one during the run ([`thread_time::SchedStat`]).
+    times: Vec<(u64, u64)>,
+}
+
+impl RunProbes {
+    /// Keeps each kind of reading only if every one of `runs` timed runs has one (none for
+    /// multi-thread rows, or where a probe is not built).
+    fn complete(mut self, runs: usize) -> Self {
+        if self.cores.len() != runs {
+            self.cores.clear();
+        }
+        if self.times.len() != runs || self.cores.is_empty() {
+            self.times.clear();
+        }
+        self
+    }
+
+    /// `pick` of each run's times as a share of its wall time (`ns_per_op` × `ops`).
+    fn shares(&self, runs: &[f64], ops: u64, pick: impl Fn(&(u64, u64)) -> u64) -> Vec<f64> {
+        self.times
+            .iter()
+            .zip(runs)
+            .map(|(t, ns)| pick(t) as f64 / (ns * ops as f64))
+            .collect()
+    }
+}
+
 /// One run of gpumem over every thread's sequence (thread t on `streams[t]`); returns the wall
-/// time from the common start to the last thread's end. With `cores`, a single thread reads
-/// its core ([`clock::read_core`]) before the start and adds the reading there (untimed).
+/// time from the common start to the last thread's end. With `probes`, a single thread reads
+/// its core before the start (untimed) and its CPU time at the start and the end of its pass
+/// (two reads of a few microseconds, timed), and adds both there.
 fn gpumem_runs(
     alloc: &Allocator,
     seqs: &[Vec<Op>],
     streams: &[Stream],
     by_ptr: bool,
-    cores: Option<&Mutex<Vec<clock::CoreReading>>>,
+    probes: Option<&Mutex<RunProbes>>,
 ) -> Result<Duration, String> {
+    let probes = probes.filter(|_| seqs.len() == 1);
     timed_threads(
         seqs.len(),
         |t| {
-            if let (Some(c), 1) = (cores, seqs.len()) {
-                if let (Some(r), Ok(mut c)) = (clock::read_core(), c.lock()) {
-                    c.push(r);
+            let sched = probes.and_then(|p| {
+                if let (Some(r), Ok(mut p)) = (clock::read_core(), p.lock()) {
+                    p.cores.push(r);
+                }
+                thread_time::SchedStat::open()
+            });
+            Ok((vec![None::<Allocation>; slot_count(&seqs[t])], sched))
+        },
+        |t, (slots, sched)| {
+            let before = sched.as_ref().and_then(|s| s.read());
+            gpumem_pass(alloc, &seqs[t], slots, streams[t], by_ptr).map_err(|e| e.to_string())?;
+            let after = sched.as_ref().and_then(|s| s.read());
+            if let (Some(p), Some(b), Some(a)) = (probes, before, after) {
+                if let Ok(mut p) = p.lock() {
+                    p.times
+                        .push((a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)));
                 }
             }
-            Ok(vec![None::<Allocation>; slot_count(&seqs[t])])
-        },
-        |t, slots| {
-            gpumem_pass(alloc, &seqs[t], slots, streams[t], by_ptr).map_err(|e| e.to_string())
+            Ok(())
         },
     )
 }
@@ -580,6 +635,15 @@ mod tests {
             };
             assert_eq!(x.runs_clock_ghz.len(), clocks, "{x:?}");
             assert_eq!(x.runs_adds_per_cycle.len(), clocks, "{x:?}");
+            // On Linux, the run's CPU time beside them: a share of its wall time, which the
+            // thread's time on a CPU and waiting for one never exceed by more than the two
+            // reads' own rounding.
+            if cfg!(target_os = "linux") {
+                assert_eq!(x.runs_on_cpu_share.len(), clocks, "{x:?}");
+                for (run, wait) in x.runs_on_cpu_share.iter().zip(&x.runs_waiting_share) {
+                    assert!(*run > 0.0 && run + wait < 1.05, "{x:?}");
+                }
+            }
             // The 64 MiB case peaks at gigabytes live: every policy held at least that much.
             if x.case == "random_512B_64MiB_live500" {
                 assert!(x.peak_held_bytes.unwrap() > 1 << 30, "{x:?}");
@@ -604,6 +668,7 @@ mod tests {
         assert_eq!(m.len(), 1);
         assert_eq!(m[0].runs_ns_per_op.len(), 2);
         assert!(m[0].runs_clock_ghz.is_empty(), "{:?}", m[0]);
+        assert!(m[0].runs_on_cpu_share.is_empty(), "{:?}", m[0]);
     }
 
     #[test]

@@ -101,12 +101,20 @@ pub fn spread(ms: &[Measurement]) -> String {
         // (No runs: lo is infinite; one run: hi / lo is 1. Neither is apart.)
         if lo > 0.0 && hi / lo > SPREAD_LIMIT {
             let runs: Vec<String> = m.runs_ns_per_op.iter().map(|&r| fmt_ns(r)).collect();
-            let clocks = if m.runs_clock_ghz.is_empty() {
-                String::new()
-            } else {
+            let mut clocks = String::new();
+            if !m.runs_clock_ghz.is_empty() {
                 let c: Vec<String> = m.runs_clock_ghz.iter().map(|g| format!("{g:.2}")).collect();
-                format!(" (core clock before each: {} GHz)", c.join(", "))
-            };
+                let _ = write!(clocks, " (core clock before each: {} GHz", c.join(", "));
+                if !m.runs_on_cpu_share.is_empty() {
+                    let c: Vec<String> = m
+                        .runs_on_cpu_share
+                        .iter()
+                        .map(|s| format!("{:.0}", s * 100.0))
+                        .collect();
+                    let _ = write!(clocks, "; on a CPU {} % of each", c.join(", "));
+                }
+                clocks.push(')');
+            }
             let _ = writeln!(
                 s,
                 "  {} {}×{}: runs {} ns per op{clocks}, {:.2}× apart: the median may mix two \
@@ -207,6 +215,8 @@ mod tests {
             runs_ns_per_op: vec![ns],
             runs_clock_ghz: Vec::new(),
             runs_adds_per_cycle: Vec::new(),
+            runs_on_cpu_share: Vec::new(),
+            runs_waiting_share: Vec::new(),
             ops_per_run: 1,
             peak_held_bytes: None,
             driver_calls_per_run: None,
@@ -265,6 +275,11 @@ mod tests {
                 runs_clock_ghz: vec![2.6, 3.8, 2.6],
                 ..with_runs("gpumem:buddy", &[81.5, 56.0, 82.0])
             },
+            Measurement {
+                runs_clock_ghz: vec![3.5, 3.5, 3.5],
+                runs_on_cpu_share: vec![0.5, 0.99, 0.996],
+                ..with_runs("gpumem:native", &[154.0, 77.0, 76.5])
+            },
             with_runs("cudaMallocAsync", &[1000.0, 1500.0, 2000.0]),
             Measurement {
                 runs_ns_per_op: vec![111.0, 60.0, 58.0],
@@ -272,7 +287,7 @@ mod tests {
             },
         ];
         let s = spread(&ms);
-        assert_eq!(s.lines().count(), 2, "{s}");
+        assert_eq!(s.lines().count(), 3, "{s}");
         assert!(
             s.contains("gpumem:stitched random_512B_64MiB_live500×1: runs 144, 103, 146 ns per op, 1.41× apart"),
             "{s}"
@@ -280,6 +295,11 @@ mod tests {
         // Runs measured with the core's clock say it.
         assert!(
             s.contains("gpumem:buddy random_512B_64MiB_live500×1: runs 81.5, 56.0, 82.0 ns per op (core clock before each: 2.60, 3.80, 2.60 GHz), 1.46× apart"),
+            "{s}"
+        );
+        // And the share of each run spent on a CPU, where measured.
+        assert!(
+            s.contains("runs 154, 77.0, 76.5 ns per op (core clock before each: 3.50, 3.50, 3.50 GHz; on a CPU 50, 99, 100 % of each), 2.01× apart"),
             "{s}"
         );
         // 113.0 / 100.0 = 1.13: one speed.
