@@ -107,27 +107,23 @@ fn alloc(a: AllocArgs) -> Result<(), String> {
         if json {
             out_println!("{line}");
         } else {
-            // The core's clock around the runs, where measured: the slowest and fastest reading.
-            let lo = m
-                .runs_clock_ghz
-                .iter()
-                .copied()
-                .fold(f64::INFINITY, f64::min);
-            let hi = m.runs_clock_ghz.iter().copied().fold(0.0, f64::max);
-            let mut clock = match m.runs_clock_ghz.len() {
-                0 => String::new(),
-                _ if hi / lo < 1.05 => format!("  (core {hi:.2} GHz"),
-                _ => format!("  (core {lo:.2}–{hi:.2} GHz"),
-            };
-            if !clock.is_empty() {
-                // The least a run had of its CPU: well under 100 % means other processes took
-                // part of the wall time.
-                let least = m.runs_on_cpu_share.iter().copied().reduce(f64::min);
-                if let Some(least) = least {
-                    clock.push_str(&format!(", on a CPU ≥ {:.0} % of each run", least * 100.0));
+            // The core's clock around the runs, where measured: the slowest and fastest reading,
+            // and the least share of a run spent on a CPU (well under 100 %: other processes
+            // took part of the wall time).
+            let clock = match report::extent(&m.runs_clock_ghz) {
+                None => String::new(),
+                Some((lo, hi)) => {
+                    let ghz = if hi / lo < 1.05 {
+                        format!("{hi:.2}")
+                    } else {
+                        format!("{lo:.2}–{hi:.2}")
+                    };
+                    let share = report::extent(&m.runs_on_cpu_share).map_or(String::new(), |e| {
+                        format!(", on a CPU ≥ {:.0} % of each run", e.0 * 100.0)
+                    });
+                    format!("  (core {ghz} GHz{share})")
                 }
-                clock.push(')');
-            }
+            };
             err_println!(
                 "  {:<28} threads {} {:<20} {:>10.1} ns/op{clock}",
                 m.case,

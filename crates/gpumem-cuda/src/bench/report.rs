@@ -92,13 +92,10 @@ pub fn spread(ms: &[Measurement]) -> String {
         .iter()
         .filter(|m| m.allocator.starts_with("gpumem:") && m.threads == 1)
     {
-        let lo = m
-            .runs_ns_per_op
-            .iter()
-            .copied()
-            .fold(f64::INFINITY, f64::min);
-        let hi = m.runs_ns_per_op.iter().copied().fold(0.0, f64::max);
-        // (No runs: lo is infinite; one run: hi / lo is 1. Neither is apart.)
+        // (No runs: nothing to compare; one run: hi / lo is 1. Neither is apart.)
+        let Some((lo, hi)) = extent(&m.runs_ns_per_op) else {
+            continue;
+        };
         if lo > 0.0 && hi / lo > SPREAD_LIMIT {
             let runs: Vec<String> = m.runs_ns_per_op.iter().map(|&r| fmt_ns(r)).collect();
             let mut clocks = String::new();
@@ -129,6 +126,13 @@ pub fn spread(ms: &[Measurement]) -> String {
         }
     }
     s
+}
+
+/// The smallest and the largest of `v`; `None` when it is empty.
+pub fn extent(v: &[f64]) -> Option<(f64, f64)> {
+    let lo = v.iter().copied().reduce(f64::min)?;
+    let hi = v.iter().copied().reduce(f64::max)?;
+    Some((lo, hi))
 }
 
 /// gpumem rows whose timed runs made driver calls: how many, and the host time they took (the
@@ -258,6 +262,12 @@ mod tests {
         assert!(s.contains("60.0 → 40.0 → 45.0 NOT FALLING"), "{s}");
         // Single runs cannot be apart.
         assert!(!s.contains("apart"), "{s}");
+    }
+
+    #[test]
+    fn extent_is_the_least_and_the_most() {
+        assert_eq!(extent(&[]), None);
+        assert_eq!(extent(&[2.0, 1.0, 3.0]), Some((1.0, 3.0)));
     }
 
     /// A row whose runs straddle the host's two speeds is named with its runs; rows within
