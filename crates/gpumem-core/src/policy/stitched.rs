@@ -1850,6 +1850,28 @@ impl Stitched {
         }
     }
 
+    /// Counts a block on (`now` = 1) or off (`now` = 0) its page range `pages` in the counts
+    /// `t`, and returns the run of its pages that it is the first to touch (on) or was the
+    /// last to touch (off), as a half-open range.
+    ///
+    /// Only the two end pages can be counted by other blocks too: the pages between them lie
+    /// wholly inside the block. So only the end pages are counted here, the run is read from
+    /// their counts alone, and the caller sets the run's counts to `now` (the inner pages go
+    /// from `1 - now` to `now`; the end pages in the run are there already). No test per page:
+    /// one mispredicted wherever its answer changed along the block.
+    #[inline]
+    fn counted(t: &mut [u32], pages: std::ops::Range<usize>, now: u32) -> (usize, usize) {
+        let (first, last) = (pages.start, pages.end - 1);
+        let delta = if now == 1 { 1 } else { u32::MAX }; // +1 or -1, wrapping
+        t[first] = t[first].wrapping_add(delta);
+        // A one-page block is counted once.
+        t[last] = t[last].wrapping_add(delta.wrapping_mul((last != first) as u32));
+        let lo = first + (t[first] != now) as usize;
+        let hi = last + (t[last] == now) as usize;
+        // A one-page block counted by others too gives lo = hi + 1.
+        (lo, hi.max(lo))
+    }
+
     /// A block now covers `[addr, addr + size)`: count it on its pages and claim a physical
     /// page for each page it is the first to touch. On failure nothing changes.
     fn touch_pages(
@@ -1864,26 +1886,20 @@ impl Stitched {
             .pages
             .as_ref()
             .expect("initialised with the first allocation");
+        // The stream's page list is locked only if the block is the first to touch a page.
+        let (lo, hi) = Self::counted(&mut self.touch, range.clone(), 1);
+        if lo == hi {
+            return Ok(());
+        }
         let scratch = &mut self.scratch;
         scratch.need.clear();
         scratch.fast = 0;
         scratch.moved.clear();
-        // The stream's page list is locked at the first page this block is the first to touch
-        // (none: no lock at all), and pages are taken back as they are counted. The counts are
-        // walked as one slice, numbered alongside, so that `touch` is bounds-checked once per
-        // block rather than once per page.
-        let mut local: Option<LocalGuard<'_>> = None;
-        for (v, t) in (range.start as u32..).zip(&mut self.touch[range.clone()]) {
-            *t += 1;
-            if *t == 1 {
-                local
-                    .get_or_insert_with(|| sp.local.lock())
-                    .take_idle(v, scratch);
-            }
+        let mut l = sp.local.lock();
+        for (v, t) in (lo as u32..).zip(&mut self.touch[lo..hi]) {
+            *t = 1;
+            l.take_idle(v, scratch);
         }
-        let Some(l) = local else {
-            return Ok(());
-        };
         if let Order::Shared {
             together: true,
             live_peak,
@@ -1919,23 +1935,18 @@ impl Stitched {
             .pages
             .as_ref()
             .expect("initialised with the first allocation");
-        let pool = &self.pool;
-        let mut local: Option<(LocalGuard<'_>, u64)> = None;
-        let mut n = 0;
-        for (v, t) in (range.start as u32..).zip(&mut self.touch[range]) {
-            *t -= 1;
-            if *t == 0 {
-                let (l, epoch) = local.get_or_insert_with(|| {
-                    let l = sp.local.lock();
-                    (l, pool.epoch_now())
-                });
-                l.let_go(v, *epoch);
-                n += 1;
-            }
+        // The stream's page list is locked only if the block was the last to touch a page.
+        let (lo, hi) = Self::counted(&mut self.touch, range, 0);
+        if lo == hi {
+            return;
         }
-        if let Some((mut l, _)) = local {
-            self.mark_due |= pool.released(&mut l, n);
+        let mut l = sp.local.lock();
+        let epoch = self.pool.epoch_now();
+        for (v, t) in (lo as u32..).zip(&mut self.touch[lo..hi]) {
+            *t = 0;
+            l.let_go(v, epoch);
         }
+        self.mark_due |= self.pool.released(&mut l, (hi - lo) as u64);
     }
 }
 
@@ -2091,7 +2102,53 @@ impl Stitched {
 
 #[cfg(test)]
 mod tests {
-    use super::{BudgetWindow, TRADE_WINDOW_US};
+    use super::{BudgetWindow, Stitched, TRADE_WINDOW_US};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// `Stitched::counted` finds the pages a block is the first (or last) to touch from its
+        /// end pages alone; counting every page one by one must find the same pages, and leave
+        /// the same counts. Blocks start and end anywhere within pages (8 units each), so that
+        /// neighbours share end pages, and some cover a single page.
+        #[test]
+        fn counted_runs_match_counting_page_by_page(
+            ops in prop::collection::vec((0u64..512, 1u64..40, any::<bool>()), 1..300)
+        ) {
+            const UNIT_PAGE: u64 = 8;
+            let pages_of = |(a, n): (u64, u64)| (a / UNIT_PAGE) as usize..((a + n - 1) / UNIT_PAGE) as usize + 1;
+            let mut blocks: Vec<(u64, u64)> = Vec::new();
+            let mut counts = vec![0u32; 70];
+            let mut reference = vec![0u32; 70];
+            for (start, len, remove) in ops {
+                let (block, now) = if remove && !blocks.is_empty() {
+                    (blocks.swap_remove(start as usize % blocks.len()), 0)
+                } else if blocks.iter().all(|&(a, n)| start + len <= a || a + n <= start) {
+                    blocks.push((start, len));
+                    ((start, len), 1)
+                } else {
+                    continue;
+                };
+                let pages = pages_of(block);
+                let mut expected = Vec::new();
+                for v in pages.clone() {
+                    if now == 1 {
+                        reference[v] += 1;
+                    } else {
+                        reference[v] -= 1;
+                    }
+                    if reference[v] == now {
+                        expected.push(v);
+                    }
+                }
+                let (lo, hi) = Stitched::counted(&mut counts, pages, now);
+                prop_assert_eq!((lo..hi).collect::<Vec<_>>(), expected, "block {:?}", block);
+                for c in &mut counts[lo..hi] {
+                    *c = now;
+                }
+                prop_assert_eq!(&counts, &reference);
+            }
+        }
+    }
 
     /// A window closes once it spans `TRADE_WINDOW_US`; with a budget, as soon as its driver
     /// time alone is over the budget's share of a whole window, and not before.
